@@ -118,6 +118,7 @@ class LlmRequest:
         "num_pauses",
         "expected_snapshot_points",
         "arrival_seq",
+        "block_key_cache",
     )
 
     def __init__(
@@ -175,6 +176,8 @@ class LlmRequest:
             sorted(expected_snapshot_points) if expected_snapshot_points else None
         )
         self.arrival_seq = request_id
+        # Owned by KVCacheManager: chained prefix block keys per (tokens_per_block, pool kind).
+        self.block_key_cache: dict | None = None
 
     def __repr__(self) -> str:
         return (

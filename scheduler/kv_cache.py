@@ -1,0 +1,570 @@
+"""Paged KV block accounting with TensorRT-LLM semantics (reference 2.4-2.9).
+
+Block accounting only: no tensors. Block ids are ints in [0, num_blocks); a torch KV pool is
+indexed by them. One attention-window size per manager (``is_variable_window`` is False).
+
+Invariants:
+* every block is exactly one of: plain free, free cached (ref 0, in the reuse tree, evictable in
+  LRU order), used (ref > 0). ``free + used == num_blocks``.
+* a block's ref count is the number of live sequences holding it; a sequence holds each of its
+  distinct blocks once, whatever its beam width (full prompt blocks are shared by the beams).
+* the reuse tree holds only full blocks of the first P - 1 prompt tokens (reference 2.9).
+* allocation takes plain free blocks first, then evicts free cached blocks LRU; evicting a block
+  uncaches its subtree (radix_tree.py), so no tree entry becomes unreachable.
+* the scheduling simulation (start_scheduling / scheduling_remove_sequence /
+  scheduling_has_free_blocks) never touches real state. Scheduling ref counts are copied lazily
+  per block (epoch stamp), so a scheduling round costs O(blocks of the removed sequences).
+
+Prefix analysis is cheap by construction: chained block keys are cached on the request
+(``LlmRequest.block_key_cache``) and extended when a pause grows the prompt, and the last
+summary is reused until the tree's ``version`` changes.
+
+Choices where the reference is silent (documented in the report): ``remove_sequence`` of an
+unknown id is a no-op returning False; a cross manager never reuses blocks (reuse on a cross
+manager is rejected); sliding-window front-block detaching applies to beam width 1 only.
+
+Pure Python, stdlib only.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+from .radix_tree import BlockKey, RadixTree, chain_block_keys, lora_seed
+from .request import LlmRequest, LlmRequestState
+
+_S = LlmRequestState
+_CONTEXT_INIT = (_S.CONTEXT_INIT, _S.DISAGG_CONTEXT_INIT_AND_TRANS)
+_GEN_IN_PROGRESS = (
+    _S.GENERATION_IN_PROGRESS,
+    _S.GENERATION_TO_COMPLETE,
+    _S.DISAGG_GENERATION_TRANS_COMPLETE,
+)
+
+
+class PrefixReuseSummary(NamedTuple):
+    """One radix-tree walk over a prompt's full blocks (reference 2.9).
+
+    ``reusable_blocks_allocated``: matched blocks (in the leading matched run) that live
+    sequences hold; ``reusable_blocks_all``: length of the leading matched run, free cached blocks
+    included; ``first_new_block``: key of the first full prompt block not in the tree (None when
+    every full block is cached)."""
+
+    reusable_blocks_allocated: int
+    reusable_blocks_all: int
+    first_new_block: BlockKey | None
+
+
+class KVCacheStats(NamedTuple):
+    total: int
+    free: int
+    used: int
+    cached: int
+    reused: int
+
+
+class KVCacheOutOfBlocksError(RuntimeError):
+    """Not enough free blocks (after evicting free cached ones); nothing was allocated."""
+
+
+_EMPTY_SUMMARY = PrefixReuseSummary(0, 0, None)
+
+
+class _KeyCache:
+    """Per request and pool kind: chained block keys, plus the last walk's summary tagged with
+    the tree and tree version it was computed against."""
+
+    __slots__ = ("lora", "keys", "tree", "version", "count", "summary")
+
+    def __init__(self, lora: int | None) -> None:
+        self.lora = lora
+        self.keys: list[BlockKey] = []
+        self.tree: RadixTree | None = None
+        self.version = -1
+        self.count = -1
+        self.summary: PrefixReuseSummary | None = None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Sequence:
+    """Blocks one request holds. ``beams[b]`` is beam b's block table (live window only);
+    ``blocks`` lists each distinct held block once (one ref each), in allocation order. For beam
+    width 1 both are the same list object."""
+
+    __slots__ = ("beam_width", "num_tokens", "beams", "blocks", "front_removed")
+
+    def __init__(self, beam_width: int, num_tokens: int, beams: list[list[int]],
+                 blocks: list[int], front_removed: int) -> None:
+        self.beam_width = beam_width
+        self.num_tokens = num_tokens
+        self.beams = beams
+        self.blocks = blocks
+        self.front_removed = front_removed
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        *,
+        max_attention_window: int | None = None,
+        enable_block_reuse: bool = False,
+        sink_token_length: int = 0,
+        num_blocks_secondary: int = 0,
+        is_cross: bool = False,
+        temporary_attention_window: int = 0,
+    ) -> None:
+        if num_blocks < 0 or tokens_per_block <= 0:
+            raise ValueError("num_blocks must be >= 0 and tokens_per_block > 0")
+        if max_attention_window is not None and max_attention_window <= 0:
+            raise ValueError("max_attention_window must be positive or None")
+        if sink_token_length < 0 or temporary_attention_window < 0:
+            raise ValueError("sink_token_length and temporary_attention_window must be >= 0")
+        if is_cross and enable_block_reuse:
+            raise ValueError("block reuse is not supported for a cross KV cache manager")
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.max_attention_window = max_attention_window
+        self.enable_block_reuse = enable_block_reuse
+        self.is_variable_window = False
+        self.sink_token_length = sink_token_length
+        # Accepted for interface parity; there is no secondary (offload) pool here.
+        self.num_blocks_secondary = num_blocks_secondary
+        self.is_cross = is_cross
+        self.temporary_attention_window = temporary_attention_window
+        self.num_reused_blocks = 0
+
+        rem = sink_token_length % tokens_per_block
+        # S: padding that makes the sink tokens fill whole blocks.
+        self.sink_bubble_length = 0 if rem == 0 else tokens_per_block - rem
+        # The window's max token count (W + S); None = unlimited.
+        self.max_token_num = (
+            None if max_attention_window is None else max_attention_window + self.sink_bubble_length
+        )
+        self._key_ns = (tokens_per_block, is_cross)
+
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
+        self._tree = RadixTree()
+        self._seqs: dict[int, _Sequence] = {}
+
+        # Scheduling simulation: per-block counts are valid only if stamped with the epoch.
+        self._sched_epoch = 0
+        self._sched_stamp = [0] * num_blocks
+        self._sched_refs = [0] * num_blocks
+        self._sched_free = num_blocks
+        self._sched_removed: set[int] = set()
+
+    # ---- queries ------------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return len(self._free) + self._tree.num_free_cached
+
+    def get_num_used_blocks(self) -> int:
+        return self.num_blocks - self.get_num_free_blocks()
+
+    def get_num_cached_blocks(self) -> int:
+        return self._tree.num_cached
+
+    def has_sequence(self, request_id: int) -> bool:
+        return request_id in self._seqs
+
+    def get_block_ids(self, request_id: int, beam: int = 0) -> list[int]:
+        return list(self._get_seq(request_id).beams[beam])
+
+    def get_num_allocated_blocks(self, request_id: int) -> int:
+        seq = self._seqs.get(request_id)
+        return 0 if seq is None else len(seq.beams[0])
+
+    def get_num_tokens(self, request_id: int) -> int:
+        return self._get_seq(request_id).num_tokens
+
+    def get_num_front_blocks_removed(self, request_id: int) -> int:
+        """Blocks detached from the front by the sliding window (beam-0 table starts there)."""
+        return self._get_seq(request_id).front_removed
+
+    def get_ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def get_stats(self) -> KVCacheStats:
+        free = self.get_num_free_blocks()
+        return KVCacheStats(
+            self.num_blocks, free, self.num_blocks - free, self._tree.num_cached,
+            self.num_reused_blocks,
+        )
+
+    def _get_seq(self, request_id: int) -> _Sequence:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"no KV sequence for request {request_id}")
+        return seq
+
+    # ---- block pool ---------------------------------------------------------------------------
+    def _take_free(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, released = self._tree.evict_lru()
+            self._free.extend(released)
+        self._refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        refs = self._refs
+        refs[block] -= 1
+        if refs[block] == 0:
+            if self._tree.is_cached(block):
+                self._tree.mark_free(block)
+            else:
+                self._free.append(block)
+        elif refs[block] < 0:
+            raise AssertionError(f"block {block} ref count went negative")
+
+    # ---- sequences ----------------------------------------------------------------------------
+    def add_sequence(self, request: LlmRequest) -> None:
+        """Allocate blocks for the request's prompt (cross manager: its encoder output).
+
+        With reuse on, the longest cached run of full prompt blocks (covering at most P - 1
+        tokens) is taken instead of new blocks and the request's prepopulated length is set.
+        Raises KVCacheOutOfBlocksError, leaving no trace, when the blocks do not fit."""
+        rid = request.request_id
+        if rid in self._seqs:
+            raise ValueError(f"request {rid} already has a KV sequence")
+        b = self.tokens_per_block
+        beam = request.beam_width
+        n = request.encoder_output_len if self.is_cross else request.prompt_len
+        eff = n if self.max_token_num is None else min(
+            n, self.max_token_num + self.temporary_attention_window
+        )
+        full, partial = divmod(eff, b)
+        has_partial = 1 if partial else 0
+        # The last partial block is written by every beam, so each beam gets its own.
+        share_partial = beam == 1 or self.is_cross
+
+        matched: list[int] = []
+        if self.enable_block_reuse and eff == n and n > 1:
+            count = (n - 1) // b
+            keys = self._block_keys(request.get_tokens(0), count, request)
+            matched = self._tree.match(keys, count)
+        refs = self._refs
+        reclaimed = sum(1 for blk in matched if refs[blk] == 0)
+        needed = full - len(matched) + has_partial * (1 if share_partial else beam)
+        available = len(self._free) + self._tree.num_free_cached - reclaimed
+        if needed > available:
+            raise KVCacheOutOfBlocksError(
+                f"request {rid}: needs {needed} new KV blocks, {available} free"
+            )
+
+        # Claim matched blocks before allocating, so eviction cannot touch them.
+        for blk in matched:
+            if refs[blk] == 0:
+                self._tree.mark_used(blk)
+            refs[blk] += 1
+        shared = matched + [self._take_free() for _ in range(full - len(matched))]
+        if beam == 1:
+            if has_partial:
+                shared.append(self._take_free())
+            beams = [shared]
+            blocks = shared
+        else:
+            blocks = list(shared)
+            if has_partial and share_partial:
+                tail = self._take_free()
+                blocks.append(tail)
+                beams = [shared + [tail] for _ in range(beam)]
+            elif has_partial:
+                beams = []
+                for _ in range(beam):
+                    tail = self._take_free()
+                    blocks.append(tail)
+                    beams.append(shared + [tail])
+            else:
+                beams = [list(shared) for _ in range(beam)]
+        front_removed = _ceil_div(n, b) - _ceil_div(eff, b)
+        self._seqs[rid] = _Sequence(beam, n, beams, blocks, front_removed)
+        if matched:
+            self.num_reused_blocks += len(matched)
+            request.set_prepopulated_prompt_len(len(matched) * b, b)
+
+    def add_token(self, request_id: int) -> None:
+        """Every beam grows by one token: a block per beam when a block boundary is crossed.
+        With a sliding window (beam width 1), blocks that fall fully out of the window are
+        detached first (a token span of W + B triggers a detach, as in TensorRT-LLM)."""
+        seq = self._get_seq(request_id)
+        b = self.tokens_per_block
+        n = seq.num_tokens + 1
+        detach = 0
+        w = self.max_attention_window
+        if w is not None and seq.beam_width == 1:
+            live = len(seq.beams[0])
+            while detach < live and n - (seq.front_removed + detach) * b >= w + b:
+                detach += 1
+        need = seq.beam_width if (n - 1) % b == 0 else 0
+        if need:
+            refs = self._refs
+            freed = sum(1 for blk in seq.beams[0][:detach] if refs[blk] == 1)
+            available = self.get_num_free_blocks() + freed
+            if need > available:
+                raise KVCacheOutOfBlocksError(
+                    f"request {request_id}: needs {need} new KV blocks, {available} free"
+                )
+        if detach:
+            front = seq.beams[0][:detach]
+            del seq.beams[0][:detach]  # beam 1: beams[0] is seq.blocks
+            seq.front_removed += detach
+            for blk in front:
+                self._release(blk)
+        seq.num_tokens = n
+        if need:
+            if seq.beam_width == 1:
+                seq.blocks.append(self._take_free())
+            else:
+                for beam_blocks in seq.beams:
+                    blk = self._take_free()
+                    seq.blocks.append(blk)
+                    beam_blocks.append(blk)
+
+    def store_context_blocks(self, request: LlmRequest) -> int:
+        """Cache the request's full blocks covering its first P - 1 prompt tokens, keyed by token
+        content and LoRA task id. A key already cached by another block keeps that block; the
+        request's duplicate stays private. Returns the number of newly cached blocks (0 when
+        reuse is off, for a cross manager, or when the sequence is unknown)."""
+        if not self.enable_block_reuse:
+            return 0
+        seq = self._seqs.get(request.request_id)
+        if seq is None or seq.front_removed:
+            return 0
+        count = min((request.prompt_len - 1) // self.tokens_per_block, len(seq.beams[0]))
+        if count <= 0:
+            return 0
+        keys = self._block_keys(request.get_tokens(0), count, request)
+        return len(self._tree.insert(keys[:count], seq.beams[0][:count]))
+
+    def remove_sequence(self, request_id: int) -> bool:
+        """Drop the sequence's refs. A block reaching ref 0 becomes a free cached block (if in the
+        tree) or a plain free block. Blocks are released leaf-first (reverse allocation order),
+        so descendants are evicted before their ancestors. Unknown id: no-op, returns False."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        release = self._release
+        for blk in reversed(seq.blocks):
+            release(blk)
+        return True
+
+    # ---- scheduling simulation (reference 2.5) ------------------------------------------------
+    def start_scheduling(self) -> None:
+        self._sched_epoch += 1
+        self._sched_free = self.get_num_free_blocks()
+        self._sched_removed.clear()
+
+    def scheduling_remove_sequence(self, request_id: int) -> None:
+        """Pretend the sequence is freed: each of its blocks loses one scheduling ref and blocks
+        reaching 0 raise the scheduling free count. Unknown or already removed ids: no-op."""
+        seq = self._seqs.get(request_id)
+        if seq is None or request_id in self._sched_removed:
+            return
+        self._sched_removed.add(request_id)
+        epoch, stamp, srefs, refs = self._sched_epoch, self._sched_stamp, self._sched_refs, self._refs
+        for blk in seq.blocks:
+            if stamp[blk] != epoch:
+                stamp[blk] = epoch
+                srefs[blk] = refs[blk]
+            srefs[blk] -= 1
+            if srefs[blk] == 0:
+                self._sched_free += 1
+
+    def scheduling_has_free_blocks(self, num_blocks: int) -> bool:
+        return self._sched_free >= num_blocks
+
+    def get_scheduling_num_free_blocks(self) -> int:
+        return self._sched_free
+
+    # ---- prefix reuse (reference 2.9) ---------------------------------------------------------
+    def _key_cache(self, tokens: Sequence[int], count: int, request: Any) -> _KeyCache:
+        """The request's chained keys, covering at least its first ``count`` full blocks.
+
+        Cached on the request per (tokens_per_block, pool kind): a prompt only ever grows by
+        appending (pause), which leaves the keys of its old prefix valid, so the cache is
+        extended rather than rebuilt; a changed LoRA id rebuilds it."""
+        lora = request.lora_task_id
+        cache = getattr(request, "block_key_cache", None)
+        if cache is None:
+            cache = {}
+            try:
+                request.block_key_cache = cache
+            except AttributeError:  # a slotted test double without the cache slot
+                pass
+        entry = cache.get(self._key_ns)
+        if entry is None or entry.lora != lora:
+            entry = _KeyCache(lora)
+            cache[self._key_ns] = entry
+        keys = entry.keys
+        have = len(keys)
+        if have < count:
+            b = self.tokens_per_block
+            # Only prompt blocks are cached: prompt tokens never change (a pause only appends),
+            # while tokens past the prompt may be dropped and generated differently.
+            limit = count if self.is_cross else min(count, (request.prompt_len - 1) // b)
+            prev = keys[-1] if keys else lora_seed(lora)
+            if have < limit:
+                chain_block_keys(tokens, b, limit, start=have, prev=prev, out=keys)
+            if limit < count:
+                extra = _KeyCache(lora)
+                extra.keys = list(keys)
+                prev = keys[-1] if keys else prev
+                chain_block_keys(tokens, b, count, start=len(keys), prev=prev, out=extra.keys)
+                return extra
+        return entry
+
+    def _block_keys(self, tokens: Sequence[int], count: int, request: Any) -> list[BlockKey]:
+        return self._key_cache(tokens, count, request).keys
+
+    def analyze_prefix_reuse(self, tokens: Sequence[int], request: Any) -> PrefixReuseSummary:
+        """One tree walk over the full blocks of ``tokens[:len(tokens) - 1]`` (the last token is
+        never cached). ``tokens`` is the prompt (cross manager: the encoder tokens).
+
+        The result is cached on the request until the tree changes (``RadixTree.version``), so
+        repeated calls within a scheduling step cost a few attribute reads."""
+        return self._analyze(tokens, len(tokens), request)
+
+    def _analyze(self, tokens: Sequence[int], num_tokens: int, request: Any) -> PrefixReuseSummary:
+        count = (num_tokens - 1) // self.tokens_per_block if num_tokens > 0 else 0
+        if count <= 0:
+            return _EMPTY_SUMMARY
+        entry = self._key_cache(tokens, count, request)
+        tree = self._tree
+        if entry.tree is tree and entry.version == tree.version and entry.count == count:
+            return entry.summary  # type: ignore[return-value]
+        # Like TensorRT-LLM countReusableBlocks(onlyAllocated): held blocks along the matched run.
+        held, matched, first_new = tree.walk_counting(entry.keys, count)
+        summary = PrefixReuseSummary(held, matched, first_new)
+        entry.tree, entry.version, entry.count, entry.summary = tree, tree.version, count, summary
+        return summary
+
+    def _summary_for(self, request: LlmRequest) -> PrefixReuseSummary:
+        # No slice copy: only the first prompt_len tokens are read, and only on a cache miss.
+        return self._analyze(request.get_tokens(0), request.prompt_len, request)
+
+    # ---- block estimates (reference 2.4, 2.6) -------------------------------------------------
+    def get_remaining_blocks_to_completion(
+        self, request: LlmRequest, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        """GUARANTEED_NO_EVICT estimate of the blocks the request still needs (reference 2.4)."""
+        request.estimated_reusable_tokens = 0
+        b = self.tokens_per_block
+        state = request.state
+        if self.is_cross:
+            if state in _CONTEXT_INIT and request.context_current_position == 0:
+                return _ceil_div(request.encoder_output_len, b)
+            return 0  # cross KV never grows after the first context chunk
+
+        p, n_new = request.prompt_len, request.max_new_tokens
+        s = self.sink_bubble_length
+        w = self.max_attention_window
+        if w is None:
+            ctx_tokens, total_tokens = p, p + n_new
+        else:
+            cap = w + self.temporary_attention_window
+            ctx_tokens, total_tokens = min(p, cap), min(p + n_new, cap)
+        ctx_blocks = (ctx_tokens + s) // b  # full blocks only
+        total_per_beam = _ceil_div(total_tokens + s, b)
+        gen_per_beam = total_per_beam - ctx_blocks  # includes the last partial prompt block
+        seq = self._seqs.get(request.request_id)
+        alloc = 0 if seq is None else len(seq.beams[0])
+
+        reusable_ctx = 0
+        if (
+            self.enable_block_reuse
+            and not self.is_variable_window
+            and state in _CONTEXT_INIT
+            and request.is_first_context_chunk
+            and alloc == 0
+        ):
+            if summary is None:
+                summary = self._summary_for(request)
+            reusable_ctx = min(summary.reusable_blocks_allocated, ctx_blocks)
+            # Free cached blocks save compute but not blocks: they already count as free.
+            request.estimated_reusable_tokens = min(summary.reusable_blocks_all, ctx_blocks) * b
+
+        extra = 0
+        if w is not None and p + n_new > w:
+            max_blocks = _ceil_div(p + n_new, b)
+            if max_blocks > _ceil_div(request.get_num_tokens(0), b) and max_blocks > total_per_beam:
+                extra = 1  # the window slides: a new block is allocated before one is detached
+
+        beam = request.beam_width
+        eff_ctx = ctx_blocks - reusable_ctx
+        if alloc < eff_ctx:
+            return (eff_ctx - alloc) + (gen_per_beam + extra) * beam
+        return (total_per_beam - reusable_ctx - alloc + extra) * beam
+
+    def get_needed_blocks_one_step(
+        self,
+        request: LlmRequest,
+        two_steps_look_ahead: bool,
+        summary: PrefixReuseSummary | None = None,
+    ) -> int:
+        """MAX_UTILIZATION estimate of the blocks the next step needs (reference 2.6)."""
+        request.estimated_reusable_tokens = 0
+        b = self.tokens_per_block
+        state = request.state
+        beam = request.beam_width
+        gen_init = state == _S.DISAGG_GENERATION_INIT
+        if gen_init or (state in _CONTEXT_INIT and request.is_first_context_chunk):
+            base = request.encoder_output_len if self.is_cross else request.prompt_len
+            length = base + request.num_draft_tokens
+            if self.max_attention_window is not None:
+                # TensorRT-LLM names max_new_tokens "chunkSize" here.
+                length = min(length, self.max_attention_window + request.max_new_tokens)
+            length += self.sink_bubble_length
+            shared = length // b
+            need = shared + (beam if length % b else 0)
+            if self.enable_block_reuse and not self.is_cross and not self.is_variable_window and not gen_init:
+                if summary is None:
+                    summary = self._summary_for(request)
+                need -= min(summary.reusable_blocks_allocated, shared)
+                request.estimated_reusable_tokens = min(summary.reusable_blocks_all, shared) * b
+            return need
+
+        if state in _GEN_IN_PROGRESS:
+            if self.is_cross:
+                return 0
+            seq = self._seqs.get(request.request_id)
+            # TensorRT-LLM requires the sequence; without one, the request's own count stands in.
+            cur = seq.num_tokens if seq is not None else request.get_num_tokens(0)
+            generated = cur - request.prompt_len
+            add_max = request.max_new_tokens - generated
+            per_step = request.num_draft_tokens + 1
+            add = min((2 if two_steps_look_ahead else 1) * per_step, add_max)
+            nxt = cur + add
+            if self.max_token_num is not None and nxt > self.max_token_num:
+                return 0
+            return (_ceil_div(nxt, b) - _ceil_div(cur, b)) * beam
+        return 0
+
+    # ---- invariants (tests) -------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Full consistency check, O(pool): for tests only."""
+        self._tree.check_invariants()
+        held = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(set(seq.blocks)) == len(seq.blocks), "a sequence holds a block twice"
+            for blk in seq.blocks:
+                held[blk] += 1
+            for beam_blocks in seq.beams:
+                assert set(beam_blocks) <= set(seq.blocks)
+        assert held == self._refs, "ref counts disagree with the sequences"
+        free = set(self._free)
+        assert len(free) == len(self._free), "plain free list has duplicates"
+        lru = set(self._tree.free_cached_blocks())
+        assert not free & lru
+        for blk in range(self.num_blocks):
+            if self._refs[blk] > 0:
+                assert blk not in free and blk not in lru
+            else:
+                assert (blk in lru) == self._tree.is_cached(blk)
+                assert (blk in free) != (blk in lru)
+        assert len(free) + len(lru) + sum(1 for r in self._refs if r > 0) == self.num_blocks
