@@ -1,0 +1,391 @@
+"""Micro-batch scheduler: picks this step's forward batch from the capacity-fitting requests.
+
+TensorRT-LLM microBatchScheduler.cpp / PyMicroBatchScheduler semantics with the reuse-adjusted
+compute cost model (reference trtllm-scheduling.md section 3). Pure Python, stdlib only.
+
+Budgets are in *compute* tokens: a cached prefix is free only on the chunk that reaches the end of
+the prompt, because the executor shifts a chunk past the cached prefix instead of shrinking it
+(``LlmRequest.set_prepopulated_prompt_len``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import AbstractSet, Iterable, Sequence
+
+from .request import LlmRequest, LlmRequestState
+
+S = LlmRequestState
+# Plain ints for the hot loop. The newest numbering makes context-init (10, 11) and
+# generation-in-progress (12, 13, 14) contiguous ranges.
+_ENCODER_INIT = int(S.ENCODER_INIT)
+_CTX_FIRST = int(S.CONTEXT_INIT)
+_CTX_LAST = int(S.DISAGG_CONTEXT_INIT_AND_TRANS)
+_GEN_FIRST = int(S.DISAGG_GENERATION_TRANS_COMPLETE)
+_GEN_LAST = int(S.GENERATION_TO_COMPLETE)
+assert _CTX_LAST == _CTX_FIRST + 1 and _GEN_FIRST == _CTX_LAST + 1 and _GEN_LAST == _GEN_FIRST + 2
+
+
+class ContextChunkingPolicy(enum.IntEnum):
+    FIRST_COME_FIRST_SERVED = 0
+    EQUAL_PROGRESS = 1
+    FORCE_CHUNK = 2
+
+    @classmethod
+    def parse(cls, value: ContextChunkingPolicy | str) -> ContextChunkingPolicy:
+        """A member, or its name in any case ("equal_progress")."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            names = ", ".join(m.name for m in cls)
+            raise ValueError(
+                f"unknown context chunking policy {value!r}; expected one of {names}"
+            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextChunkingConfig:
+    policy: ContextChunkingPolicy
+    # Chunks other than a prompt's last one are multiples of this (a KV block size multiple, so
+    # chunked prefill never leaves a half-filled block behind).
+    chunk_unit_size: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", ContextChunkingPolicy.parse(self.policy))
+        if self.chunk_unit_size <= 0:
+            raise ValueError(f"chunk_unit_size must be > 0, got {self.chunk_unit_size}")
+
+
+def reuse_adjusted_compute(chunk: int, reusable: int, remaining: int) -> int:
+    """Forward-pass tokens of a context chunk when ``reusable`` prompt tokens are cached.
+
+    A non-last chunk is shifted right past the cached prefix, so it still costs its full size;
+    only a chunk reaching the end of the prompt saves the cached part."""
+    if reusable <= 0 or reusable + chunk < remaining:
+        return chunk
+    return max(0, remaining - reusable)
+
+
+def _lora_key(req: LlmRequest) -> tuple[int, int]:
+    task = req.lora_task_id
+    return (0, 0) if task is None else (1, task)
+
+
+def _sort_by_lora(requests: list[LlmRequest]) -> list[LlmRequest]:
+    """Stable sort by LoRA task id, requests without LoRA first."""
+    for req in requests:
+        if req.lora_task_id is not None:
+            return sorted(requests, key=_lora_key)
+    return requests
+
+
+class MicroBatchScheduler:
+    """``schedule`` returns (context_requests, generation_requests); encoder-init requests lead
+    the context list. Chunk sizes of scheduled context requests are set on the requests."""
+
+    def __init__(
+        self,
+        ctx_chunk_config: ContextChunkingConfig | None = None,
+        max_context_length: int | None = None,
+        *,
+        no_schedule_until_state: LlmRequestState = S.CONTEXT_INIT,
+        no_schedule_after_state: LlmRequestState = S.GENERATION_TO_COMPLETE,
+    ) -> None:
+        self.ctx_chunk_config = ctx_chunk_config
+        self.max_context_length = max_context_length
+        self.no_schedule_until_state = LlmRequestState(no_schedule_until_state)
+        self.no_schedule_after_state = LlmRequestState(no_schedule_after_state)
+
+    def schedule(
+        self,
+        active_requests: Iterable[LlmRequest],
+        inflight_request_ids: AbstractSet[int] | None,
+        max_batch_size: int,
+        max_num_tokens: int | None,
+    ) -> tuple[list[LlmRequest], list[LlmRequest]]:
+        inflight = inflight_request_ids or ()
+        until = int(self.no_schedule_until_state)
+        after = int(self.no_schedule_after_state)
+        max_ctx = self.max_context_length
+        chunk_config = self.ctx_chunk_config
+
+        encoder_requests: list[LlmRequest] = []
+        context_requests: list[LlmRequest] = []
+        generation_requests: list[LlmRequest] = []
+        # Contexts to chunk, with their remaining length and first-chunk reuse credit.
+        to_chunk: list[LlmRequest] = []
+        remainings: list[int] = []
+        reusables: list[int] = []
+        batch_tokens = 0
+        chunked_tokens = 0
+        count = 0
+        scheduled_beam = 0
+        all_fit = True
+
+        for req in active_requests:
+            state = req.state
+            if not until <= state < after or req.request_id in inflight:
+                continue
+            if state == _ENCODER_INIT:
+                cost = req.encoder_output_len
+                if max_ctx is not None and cost > max_ctx:
+                    raise ValueError(
+                        f"request {req.request_id}: {cost} encoder tokens exceed the maximum "
+                        f"context length {max_ctx}"
+                    )
+                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    break
+                encoder_requests.append(req)
+                batch_tokens += cost
+            elif _CTX_FIRST <= state <= _CTX_LAST:
+                remaining = req.context_remaining_length
+                first = req.context_current_position == req.prepopulated_prompt_len
+                reusable = min(req.estimated_reusable_tokens, remaining) if first else 0
+                drafts = req.draft_tokens
+                num_draft = len(drafts) if drafts else 0
+                if chunk_config is None:
+                    num_tokens = req.get_num_tokens(0)
+                    cost = max(1, reuse_adjusted_compute(num_tokens, reusable, remaining) + num_draft)
+                    if max_ctx is not None and cost > max_ctx:
+                        raise ValueError(
+                            f"request {req.request_id}: context cost {cost} exceeds the maximum "
+                            f"context length {max_ctx} and context chunking is off"
+                        )
+                    if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                        break
+                    context_requests.append(req)
+                    batch_tokens += cost
+                else:
+                    # Tentatively the whole rest of the prompt: the last chunk, so drafts ride along.
+                    cost = reuse_adjusted_compute(remaining, reusable, remaining) + num_draft
+                    if max_ctx is not None and max_ctx < cost:
+                        cost = max_ctx
+                        all_fit = False
+                    to_chunk.append(req)
+                    remainings.append(remaining)
+                    reusables.append(reusable)
+                    chunked_tokens += cost
+            elif _GEN_FIRST <= state <= _GEN_LAST:
+                beam = req.get_beam_width_by_iter()
+                drafts = req.draft_tokens
+                cost = beam + (len(drafts) if drafts else 0)
+                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    break
+                if scheduled_beam == 0:
+                    scheduled_beam = beam
+                elif beam != scheduled_beam:
+                    # One beam width per batch; a mismatch is skipped and not counted.
+                    continue
+                generation_requests.append(req)
+                batch_tokens += cost
+            else:
+                # Only reachable with a widened band (e.g. "until" = ENCODER_INIT): disaggregated
+                # pre-states 7-9 are never part of a micro-batch.
+                continue
+            count += 1
+            if count >= max_batch_size:
+                break
+
+        if max_num_tokens is not None and chunked_tokens > max_num_tokens - batch_tokens:
+            all_fit = False
+        if chunk_config is not None and chunk_config.policy == ContextChunkingPolicy.FORCE_CHUNK:
+            # Snapshot-boundary selection runs every step, whether or not everything fits.
+            all_fit = False
+
+        if all_fit:
+            for req, remaining in zip(to_chunk, remainings):
+                req.context_chunk_size = remaining
+            context_requests.extend(to_chunk)
+            context_requests = _sort_by_lora(context_requests)
+        else:
+            if chunk_config is None:
+                raise ValueError("context requests do not fit and context chunking is off")
+            capacity = max_num_tokens - batch_tokens if max_num_tokens is not None else None
+            chunks = _size_chunks(
+                to_chunk, remainings, reusables, chunk_config.policy, capacity,
+                chunk_config.chunk_unit_size, max_ctx,
+            )
+            # Contexts finishing this step go last, so the executor can move them to the front
+            # of the generation list.
+            not_last: list[LlmRequest] = []
+            last: list[LlmRequest] = []
+            for req, chunk, remaining in zip(to_chunk, chunks, remainings):
+                req.context_chunk_size = chunk
+                if chunk > 0:
+                    (last if chunk == remaining else not_last).append(req)
+            context_requests = _sort_by_lora(not_last) + _sort_by_lora(last)
+        if encoder_requests:
+            context_requests = _sort_by_lora(encoder_requests) + context_requests
+        return context_requests, _sort_by_lora(generation_requests)
+
+    # ---- chunk sizing ---------------------------------------------------------------------------
+    @staticmethod
+    def set_ctx_requests_chunk_size(
+        requests: Sequence[LlmRequest],
+        policy: ContextChunkingPolicy,
+        capacity: int | None,
+        chunk_unit_size: int,
+        max_context_length: int | None,
+    ) -> None:
+        """Assign chunk sizes to context requests under a compute-token ``capacity`` (None: no
+        limit), then trim draft tokens that would need a KV block of their own."""
+        remainings = [r.context_remaining_length for r in requests]
+        reusables = [
+            min(r.estimated_reusable_tokens, rem)
+            if r.context_current_position == r.prepopulated_prompt_len
+            else 0
+            for r, rem in zip(requests, remainings)
+        ]
+        chunks = _size_chunks(
+            requests, remainings, reusables, policy, capacity, chunk_unit_size, max_context_length
+        )
+        for req, chunk in zip(requests, chunks):
+            req.context_chunk_size = chunk
+
+
+def _size_chunks(
+    requests: Sequence[LlmRequest],
+    remainings: Sequence[int],
+    reusables: Sequence[int],
+    policy: ContextChunkingPolicy,
+    capacity: int | None,
+    unit: int,
+    max_ctx: int | None,
+) -> list[int]:
+    """Chunk size per request (every request gets one, so no reset pass is needed); discards
+    the draft tokens that do not fit. ``reusables`` are first-chunk credits, already clamped to
+    the remaining length."""
+    policy = ContextChunkingPolicy.parse(policy)
+    if policy == ContextChunkingPolicy.EQUAL_PROGRESS:
+        chunks = _chunk_equal_progress(remainings, reusables, capacity, unit, max_ctx)
+    elif policy == ContextChunkingPolicy.FIRST_COME_FIRST_SERVED:
+        chunks = _chunk_first_come_first_served(remainings, reusables, capacity, unit, max_ctx)
+    else:
+        chunks = _chunk_forced(requests, remainings, capacity, unit, max_ctx)
+    _fit_draft_tokens(requests, chunks, remainings, reusables, capacity, unit, max_ctx)
+    return chunks
+
+
+def _chunk_equal_progress(
+    remainings: Sequence[int],
+    reusables: Sequence[int],
+    capacity: int | None,
+    unit: int,
+    max_ctx: int | None,
+) -> list[int]:
+    """Lock-step rounds: every request gets one more unit per round while the budget lasts;
+    earlier requests get the extra unit when it runs out mid-round."""
+    chunks = [0] * len(remainings)
+    used = 0
+    progress = 1
+    while (capacity is None or used < capacity) and progress > 0:
+        progress = 0
+        for i, remaining in enumerate(remainings):
+            past = chunks[i]
+            actual = min(past + unit, remaining)
+            if actual == past:
+                continue
+            reusable = reusables[i]
+            inc = reuse_adjusted_compute(actual, reusable, remaining) - reuse_adjusted_compute(
+                past, reusable, remaining
+            )
+            if (capacity is not None and used + inc > capacity) or (
+                max_ctx is not None and actual > max_ctx
+            ):
+                continue
+            chunks[i] = actual
+            used += inc
+            # Raw increment, not the compute one: a fully cached chunk still counts as progress.
+            progress += actual - past
+    return chunks
+
+
+def _chunk_first_come_first_served(
+    remainings: Sequence[int],
+    reusables: Sequence[int],
+    capacity: int | None,
+    unit: int,
+    max_ctx: int | None,
+) -> list[int]:
+    """In order, each request takes as much of the remaining budget as it can use."""
+    chunks: list[int] = []
+    for suggested, reusable in zip(remainings, reusables):
+        actual = suggested
+        if capacity is not None and capacity < reuse_adjusted_compute(suggested, reusable, suggested):
+            actual = max(0, capacity)
+        if max_ctx is not None and reuse_adjusted_compute(actual, reusable, suggested) > max_ctx:
+            actual = min(max_ctx, suggested)
+        if actual != suggested:
+            # A trimmed chunk is not the last one: keep it on the unit grid.
+            actual = actual // unit * unit
+        chunks.append(actual)
+        if capacity is not None:
+            capacity -= reuse_adjusted_compute(actual, reusable, suggested)
+    return chunks
+
+
+def _chunk_forced(
+    requests: Sequence[LlmRequest],
+    remainings: Sequence[int],
+    capacity: int | None,
+    unit: int,
+    max_ctx: int | None,
+) -> list[int]:
+    """Requests with snapshot points advance to their next one (linear-attention state caching);
+    the others advance one unit. No reuse credit: recurrent state cannot be partially reused."""
+    if max_ctx is not None and max_ctx < unit:
+        raise ValueError(f"the forced chunk size {unit} exceeds the max context length {max_ctx}")
+    chunks: list[int] = []
+    total = 0
+    for req, remaining in zip(requests, remainings):
+        points = req.expected_snapshot_points
+        if points:
+            position = req.context_current_position
+            upcoming = [p for p in points if p > position]
+            if upcoming:
+                chunk = max(0, min(min(upcoming), req.prompt_len) - position)
+            else:
+                chunk = remaining
+            if max_ctx is not None and chunk > max_ctx:
+                chunk = max_ctx // unit * unit
+            if capacity is not None and total + chunk > capacity:
+                chunk = min(chunk, max(0, capacity - total)) // unit * unit
+        else:
+            chunk = min(remaining, unit)
+            if capacity is not None and total + chunk > capacity:
+                chunk = 0  # a later, shorter request may still fit
+        chunks.append(chunk)
+        total += chunk
+    return chunks
+
+
+def _fit_draft_tokens(
+    requests: Sequence[LlmRequest],
+    chunks: Sequence[int],
+    remainings: Sequence[int],
+    reusables: Sequence[int],
+    capacity: int | None,
+    unit: int,
+    max_ctx: int | None,
+) -> None:
+    """Drafts ride on a last chunk only within the unit it already opens: a last chunk that is an
+    exact unit multiple loses all of them rather than take a new KV block."""
+    used = 0
+    if capacity is not None:
+        for chunk, remaining, reusable in zip(chunks, remainings, reusables):
+            used += reuse_adjusted_compute(chunk, reusable, remaining)
+    for req, chunk, remaining in zip(requests, chunks, remainings):
+        num_draft = req.num_draft_tokens
+        if num_draft == 0 or chunk != remaining:  # only a last chunk carries drafts
+            continue
+        rem = chunk % unit
+        space = 0 if rem == 0 else unit - rem
+        if max_ctx is not None:
+            space = min(space, max_ctx - chunk)
+        if capacity is not None:
+            space = max(0, min(space, capacity - used))
+            used += space
+        if num_draft > space:
+            req.discard_draft_tokens(num_draft - max(0, space))
