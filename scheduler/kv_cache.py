@@ -229,39 +229,73 @@ class KVCacheManager:
         With reuse on, the longest cached run of full prompt blocks (covering at most P - 1
         tokens) is taken instead of new blocks and the request's prepopulated length is set.
         Raises KVCacheOutOfBlocksError, leaving no trace, when the blocks do not fit."""
+        self.add_sequences([request])
+
+    def add_sequences(self, requests: Sequence[LlmRequest]) -> None:
+        """``add_sequence`` for a step's first chunks at once: every request's cached prefix is
+        claimed before any new block is allocated, so one request's allocation cannot evict a
+        free cached block another request's reuse credit was scheduled on. All or nothing."""
+        claimed: list[tuple[LlmRequest, tuple[int, int, int], list[int]]] = []
+        try:
+            for request in requests:
+                claimed.append((request, *self._claim_prefix(request)))
+        except Exception:
+            self._unclaim(claimed)
+            raise
+        done: list[LlmRequest] = []
+        try:
+            for request, shape, matched in claimed:
+                self._allocate_rest(request, shape, matched)
+                done.append(request)
+        except Exception:
+            for request in done:
+                self.remove_sequence(request.request_id)
+            self._unclaim(claimed[len(done) :])
+            raise
+
+    def _unclaim(self, claimed) -> None:
+        for _, _, matched in claimed:
+            for blk in matched:
+                self._release(blk)
+
+    def _claim_prefix(self, request: LlmRequest) -> tuple[tuple[int, int, int], list[int]]:
         rid = request.request_id
         if rid in self._seqs:
             raise ValueError(f"request {rid} already has a KV sequence")
         b = self.tokens_per_block
-        beam = request.beam_width
         n = request.encoder_output_len if self.is_cross else request.prompt_len
         eff = n if self.max_token_num is None else min(
             n, self.max_token_num + self.temporary_attention_window
         )
-        full, partial = divmod(eff, b)
-        has_partial = 1 if partial else 0
-        # The last partial block is written by every beam, so each beam gets its own.
-        share_partial = beam == 1 or self.is_cross
-
         matched: list[int] = []
         if self.enable_block_reuse and eff == n and n > 1:
             count = (n - 1) // b
             keys = self._block_keys(request.get_tokens(0), count, request)
             matched = self._tree.match(keys, count)
-        refs = self._refs
-        reclaimed = sum(1 for blk in matched if refs[blk] == 0)
-        needed = full - len(matched) + has_partial * (1 if share_partial else beam)
-        available = len(self._free) + self._tree.num_free_cached - reclaimed
-        if needed > available:
-            raise KVCacheOutOfBlocksError(
-                f"request {rid}: needs {needed} new KV blocks, {available} free"
-            )
-
         # Claim matched blocks before allocating, so eviction cannot touch them.
+        refs = self._refs
         for blk in matched:
             if refs[blk] == 0:
                 self._tree.mark_used(blk)
             refs[blk] += 1
+        return (n, eff, request.beam_width), matched
+
+    def _allocate_rest(
+        self, request: LlmRequest, shape: tuple[int, int, int], matched: list[int]
+    ) -> None:
+        rid = request.request_id
+        n, eff, beam = shape
+        b = self.tokens_per_block
+        full, partial = divmod(eff, b)
+        has_partial = 1 if partial else 0
+        # The last partial block is written by every beam, so each beam gets its own.
+        share_partial = beam == 1 or self.is_cross
+        needed = full - len(matched) + has_partial * (1 if share_partial else beam)
+        available = len(self._free) + self._tree.num_free_cached
+        if needed > available:
+            raise KVCacheOutOfBlocksError(
+                f"request {rid}: needs {needed} new KV blocks, {available} free"
+            )
         shared = matched + [self._take_free() for _ in range(full - len(matched))]
         if beam == 1:
             if has_partial:

@@ -1,0 +1,56 @@
+"""The decision logic stays pure: scheduler/, transport/protocol.py and cluster/policies.py
+import no torch, ray or grpc (DESIGN.md), so they are testable in milliseconds."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = {"torch", "ray", "grpc", "numpy"}
+PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py", ROOT / "cluster" / "policies.py"]
+
+
+def _pure_files() -> list[Path]:
+    files: list[Path] = []
+    for path in PURE_PATHS:
+        if path.is_dir():
+            files.extend(sorted(path.rglob("*.py")))
+        elif path.exists():
+            files.append(path)
+    return files
+
+
+def _imported_roots(path: Path) -> set[str]:
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_scheduler_package_exists():
+    assert (ROOT / "scheduler" / "request.py").exists()
+    assert len(_pure_files()) >= 5
+
+
+@pytest.mark.parametrize("path", _pure_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_pure_module_imports_nothing_heavy(path: Path):
+    bad = _imported_roots(path) & FORBIDDEN
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_importing_the_scheduler_loads_no_heavy_module():
+    code = (
+        "import sys, pdserve.scheduler, pdserve.scheduler.sim_worker\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch','ray','grpc','numpy'})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"heavy modules loaded: {out.stdout.strip()}"
