@@ -1,0 +1,77 @@
+"""Engine configuration: the scheduler's knobs and the runtime's, shared by `LLM`, the workers
+and `pdserve launch` (DESIGN.md "Public interfaces")."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pdserve.scheduler import CapacitySchedulerPolicy, ContextChunkingPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    tokens_per_block: int = 16
+    num_kv_blocks: int | None = None  # or kv_cache_memory_bytes; default: enough for the batch
+    kv_cache_memory_bytes: int | None = None
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    context_chunking_policy: ContextChunkingPolicy | None = None  # None: chunking off
+    chunk_unit_size: int = 64
+    enable_block_reuse: bool = True
+    enable_prefix_aware_scheduling: bool = True
+    max_input_len: int | None = None  # default: max_seq_len - 1
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # default: cuda when available, else cpu
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity_scheduler_policy, str):
+            object.__setattr__(
+                self, "capacity_scheduler_policy",
+                _enum(CapacitySchedulerPolicy, self.capacity_scheduler_policy, "capacity_scheduler_policy"),
+            )
+        if isinstance(self.context_chunking_policy, str):
+            value = self.context_chunking_policy
+            object.__setattr__(
+                self, "context_chunking_policy",
+                None if value.upper() in ("", "NONE", "OFF")
+                else _enum(ContextChunkingPolicy, value, "context_chunking_policy"),
+            )
+        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block", "chunk_unit_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_input_len", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.name if hasattr(value, "name") else value
+        return out
+
+
+def _enum(enum_cls, value: str, field: str):
+    try:
+        return enum_cls[value.upper()]
+    except KeyError:
+        choices = ", ".join(m.name for m in enum_cls)
+        raise ValueError(f"{field} must be one of {choices}, got {value!r}") from None

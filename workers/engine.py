@@ -1,0 +1,202 @@
+"""The in-process engine and the offline API (vLLM-style ``LLM.generate``).
+
+``LLMEngine`` owns the model, the KV pool and the executor and turns prompts into requests;
+``LLM`` drives it to completion (batch) or yields deltas as they are produced (streaming).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from pdserve.scheduler import LlmRequest
+
+from .config import EngineConfig
+from .executor import Executor, RequestUpdate
+from .kv_pool import KVPool
+from .loader import LoadedModel, load_model, resolve_dtype
+from .sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+# Default pool when neither num_kv_blocks nor kv_cache_memory_bytes is given: room for a full
+# batch of sequences of up to this many tokens, within the memory cap below.
+_DEFAULT_TOKENS_PER_SEQ = 2048
+_DEFAULT_KV_MEMORY_CAP = 2 << 30
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # all generated so far (or a delta)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
+        self.config = EngineConfig.from_kwargs(engine_config)
+        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_dtype(self.config.dtype, device)
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+        mcfg = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        max_seq_len = self.config.max_seq_len or mcfg.max_position_embeddings
+        B = self.config.tokens_per_block
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            per_block = KVPool.bytes_per_block_for(
+                mcfg.num_hidden_layers, B, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.model.dtype
+            )
+            budget = self.config.kv_cache_memory_bytes
+            if budget is None:
+                want = self.config.max_batch_size * -(-min(max_seq_len, _DEFAULT_TOKENS_PER_SEQ) // B)
+                budget = min(_DEFAULT_KV_MEMORY_CAP, want * per_block)
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {per_block} bytes")
+        self.kv_pool = KVPool.for_model(mcfg, num_blocks, B, dtype=self.loaded.model.dtype, device=device)
+        self.executor = Executor(
+            self.loaded.model,
+            self.kv_pool,
+            self.config,
+            eos_token_ids=self.loaded.eos_token_ids,
+            vocab_size=mcfg.vocab_size,
+            max_seq_len=max_seq_len,
+        )
+        self._ids = itertools.count()
+        self._outputs: dict[int, RequestOutput] = {}
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt token ids must not be empty")
+        return ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: int | None = None,
+        priority: float = 0.5,
+    ) -> int:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        rid = next(self._ids) if request_id is None else int(request_id)
+        request = LlmRequest(rid, ids, params.max_tokens, priority=priority)
+        self.executor.add_request(request, params)
+        self._outputs[rid] = RequestOutput(rid, ids)
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        update = self.executor.abort(request_id)
+        if update is None:
+            return False
+        self._apply(update)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.executor.has_work
+
+    def step(self) -> list[tuple[RequestOutput, RequestUpdate]]:
+        return [(self._apply(u), u) for u in self.executor.step()]
+
+    def _apply(self, update: RequestUpdate) -> RequestOutput:
+        out = self._outputs[update.request_id]
+        out.token_ids.extend(update.new_token_ids)
+        if update.finished:
+            out.finished = True
+            out.finish_reason = update.finish_reason
+            out.text = self.decode(out.token_ids)
+            del self._outputs[update.request_id]
+        return out
+
+
+class LLM:
+    """Offline API: ``LLM(model_dir, **engine_config).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
+        self.engine = LLMEngine(model, **engine_config)
+
+    @property
+    def stats(self):
+        return self.engine.executor.stats
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        outputs: dict[int, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out, update in self.engine.step():
+                if update.finished:
+                    outputs[out.request_id] = out
+        return [outputs[r] for r in rids]
+
+    def generate_stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields one delta per request per step that produced tokens: ``token_ids`` and ``text``
+        hold only what is new; the last delta of a request has ``finished`` set. Closing the
+        iterator early aborts whatever is still running."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        pending = set(rids)
+        sent_text: dict[int, str] = {r: "" for r in rids}
+        try:
+            while pending and self.engine.has_unfinished:
+                for out, update in self.engine.step():
+                    if out.request_id not in pending:
+                        continue
+                    text = self.engine.decode(out.token_ids)
+                    delta_text = text[len(sent_text[out.request_id]):]
+                    sent_text[out.request_id] = text
+                    if update.finished:
+                        pending.discard(out.request_id)
+                    yield RequestOutput(
+                        out.request_id, out.prompt_token_ids, list(update.new_token_ids),
+                        delta_text, update.finished, update.finish_reason,
+                    )
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
+
+    def abort(self, request_id: int) -> bool:
+        return self.engine.abort(request_id)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,264 @@
+"""The step loop (TensorRT-LLM's PyExecutor, reference section 6) around a real model.
+
+Per step: schedule (capacity, then micro-batch) -> pause what the capacity pass evicted (free its
+KV, fold its tokens into the prompt) -> allocate KV for first chunks (prefix reuse moves the
+chunk past the cached part) and grow decode sequences -> one forward over the flat batch ->
+sample the rows that produce a token -> advance chunks and states, store finished contexts'
+blocks for reuse -> free finished or aborted requests.
+
+The request bookkeeping is the same pure code the simulated worker runs
+(``pdserve.scheduler.lifecycle``); this module adds the tensors.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from pdserve.scheduler import (
+    CapacityScheduler,
+    ContextChunkingConfig,
+    KVCacheManager,
+    LlmRequest,
+    LlmRequestState,
+    MicroBatchScheduler,
+    SimpleScheduler,
+    lifecycle,
+)
+from pdserve.scheduler.reorder import insert_request_in_order
+
+from .config import EngineConfig
+from .kv_pool import KVPool
+from .model.batch import SeqBatchInfo
+from .sampling import RequestSampler, SamplingParams, sample
+
+log = logging.getLogger("pdserve.executor")
+
+
+class RequestUpdate(NamedTuple):
+    """What one step produced for one request: tokens not reported before, and the finish."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    steps: int = 0
+    forward_seconds: float = 0.0
+    schedule_seconds: float = 0.0
+    context_tokens: int = 0
+    generated_tokens: int = 0
+    pauses: int = 0
+    paused_request_ids: list[int] = field(default_factory=list)
+    finished: int = 0
+    aborted: int = 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: LlmRequest
+    sampler: RequestSampler
+    params: SamplingParams
+    emitted: int = 0  # generated tokens already reported
+    finish_reason: str | None = None
+
+
+class Executor:
+    """Single-threaded: call ``add_request``, ``abort`` and ``step`` from one thread."""
+
+    def __init__(
+        self,
+        model,
+        kv_pool: KVPool,
+        config: EngineConfig,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        vocab_size: int,
+        max_seq_len: int,
+    ) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_input_len = config.max_input_len or max_seq_len - 1
+        if self.max_input_len >= max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be < max_seq_len ({max_seq_len})")
+        self.kv = KVCacheManager(
+            kv_pool.num_blocks,
+            kv_pool.tokens_per_block,
+            enable_block_reuse=config.enable_block_reuse,
+        )
+        chunking = (
+            ContextChunkingConfig(config.context_chunking_policy, config.chunk_unit_size)
+            if config.context_chunking_policy is not None
+            else None
+        )
+        self.scheduler = SimpleScheduler(
+            CapacityScheduler(
+                config.max_batch_size,
+                config.capacity_scheduler_policy,
+                enable_prefix_aware_scheduling=config.enable_prefix_aware_scheduling,
+            ),
+            # The PyTorch backend bounds one context's compute by max_num_tokens.
+            MicroBatchScheduler(chunking, config.max_num_tokens),
+            kv_cache_manager=self.kv,
+            max_batch_size=config.max_batch_size,
+            max_num_tokens=config.max_num_tokens,
+        )
+        self.active: list[LlmRequest] = []
+        self.tracked: dict[int, _Tracked] = {}
+        self.stats = ExecutorStats()
+        self._device = kv_pool.device
+
+    # ------------------------------------------------------------------ admission
+
+    def add_request(self, request: LlmRequest, params: SamplingParams) -> None:
+        """Validates against the model and the pool; raises ValueError naming the field."""
+        if request.request_id in self.tracked:
+            raise ValueError(f"request_id {request.request_id} is already active")
+        params.validate(self.vocab_size)
+        prompt = request.get_prompt_tokens()
+        if len(prompt) > self.max_input_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, more than max_input_len {self.max_input_len}"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        request.max_new_tokens = min(request.max_new_tokens, self.max_seq_len - request.prompt_len)
+        B = self.kv.tokens_per_block
+        needed = -(-(request.prompt_len + request.max_new_tokens) // B)
+        if needed > self.kv.num_blocks:
+            # Under GUARANTEED_NO_EVICT such a request would wait forever.
+            raise ValueError(
+                f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
+            )
+        self.tracked[request.request_id] = _Tracked(request, RequestSampler(params, self._device), params)
+        insert_request_in_order(self.active, request)
+
+    def abort(self, request_id: int) -> RequestUpdate | None:
+        """Frees everything the request holds. Returns its final update, or None if unknown."""
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        request = tracked.request
+        if request in self.active:
+            self.active.remove(request)
+        lifecycle.finish_request(request, self.kv)
+        self.stats.aborted += 1
+        return RequestUpdate(request_id, [], True, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.active)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.get_num_free_blocks()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestUpdate]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule(self.active, set())
+        self.stats.schedule_seconds += time.perf_counter() - t0
+        self._pause(out.paused_requests)
+
+        computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
+        contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
+        for request in out.generation_requests:
+            lifecycle.prepare_generation_step(request, self.kv)
+
+        if not contexts and not out.generation_requests:
+            self.stats.steps += 1
+            return []
+        tokens = self._forward_and_sample(contexts, out.generation_requests)
+
+        updates: list[RequestUpdate] = []
+        for request, n in contexts:
+            self.stats.context_tokens += n
+            token = tokens.get(request.request_id)
+            if lifecycle.complete_context_chunk(request, self.kv, token):
+                updates.append(self._after_token(request, token))
+        for request in out.generation_requests:
+            token = tokens[request.request_id]
+            lifecycle.complete_generation_step(request, token)
+            updates.append(self._after_token(request, token))
+        self.stats.steps += 1
+        return updates
+
+    def _pause(self, paused: list[LlmRequest]) -> None:
+        for request in paused:
+            log.info(
+                "pause request %d: %d tokens folded into the prompt, KV freed (%d free blocks)",
+                request.request_id, request.get_max_num_generated_tokens(), self.kv.get_num_free_blocks(),
+            )
+        lifecycle.pause_requests(paused, self.kv, self.max_input_len)
+        self.stats.pauses += len(paused)
+        self.stats.paused_request_ids.extend(r.request_id for r in paused)
+
+    def _forward_and_sample(
+        self, contexts: list[tuple[LlmRequest, int]], generation: list[LlmRequest]
+    ) -> dict[int, int]:
+        """One forward over the flat batch [context chunks..., decode tokens...]; returns the
+        sampled token of every sequence that produces one this step."""
+        input_ids: list[int] = []
+        seqs: list[SeqBatchInfo] = []
+        producing: list[tuple[int, LlmRequest]] = []  # (row in seqs, request)
+        for request, n in contexts:
+            pos = request.context_current_position
+            start = len(input_ids)
+            input_ids.extend(request.get_tokens(0)[pos : pos + n])
+            seqs.append(SeqBatchInfo(start, n, pos, self.kv.get_block_ids(request.request_id)))
+            if pos + n >= request.prompt_len:
+                producing.append((len(seqs) - 1, request))
+        for request in generation:
+            past = request.get_num_tokens(0) - 1
+            seqs.append(
+                SeqBatchInfo(len(input_ids), 1, past, self.kv.get_block_ids(request.request_id))
+            )
+            input_ids.append(request.get_tokens(0)[-1])
+            producing.append((len(seqs) - 1, request))
+
+        t0 = time.perf_counter()
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self._device)
+        logits = self.model.forward(ids, None, seqs, self.kv_pool)  # [len(seqs), V]
+        self.stats.forward_seconds += time.perf_counter() - t0
+        if not producing:
+            return {}
+        rows = torch.tensor([row for row, _ in producing], dtype=torch.long, device=logits.device)
+        sampled = sample(
+            logits.index_select(0, rows), [self.tracked[r.request_id].sampler for _, r in producing]
+        )
+        return {r.request_id: tok for (_, r), tok in zip(producing, sampled)}
+
+    def _after_token(self, request: LlmRequest, token: int) -> RequestUpdate:
+        """Stop checks after a token was appended; finished requests free their KV."""
+        tracked = self.tracked[request.request_id]
+        self.stats.generated_tokens += 1
+        reason = None
+        if token in self.eos_token_ids and not tracked.params.ignore_eos:
+            reason = "stop"
+        elif token in tracked.params.stop_token_ids:
+            reason = "stop"
+        elif lifecycle.reached_max_tokens(request):
+            reason = "length"
+        generated = request.get_tokens(0)[request.orig_prompt_len :]
+        new = generated[tracked.emitted :]
+        tracked.emitted = len(generated)
+        if reason is None:
+            return RequestUpdate(request.request_id, new, False, None)
+        tracked.finish_reason = reason
+        self.active.remove(request)
+        del self.tracked[request.request_id]
+        lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
+        self.stats.finished += 1
+        return RequestUpdate(request.request_id, new, True, reason)
