@@ -1,0 +1,153 @@
+"""The KV cache tensors of one worker, indexed by block id.
+
+``kv`` is one tensor [layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim] (2 = K, V).
+Block accounting (which ids are free, shared, cached) lives in ``pdserve.scheduler.kv_cache``;
+this class only holds the numbers. ``gather_blocks``/``scatter_blocks`` move whole blocks (all
+layers, K and V) in and out, for the disaggregated KV transfer.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+BlockIds = Sequence[int] | torch.Tensor
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim) < 1:
+            raise ValueError("KVPool dimensions must all be positive")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = torch.zeros(
+            (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim), dtype=dtype, device=self.device
+        )
+        self.block_numel = tokens_per_block * num_kv_heads * head_dim  # one block of one layer's K
+        self.bytes_per_block = self.bytes_per_block_for(
+            num_layers, tokens_per_block, num_kv_heads, head_dim, dtype
+        )
+        # Row r * num_blocks + b of the [2 * layers * num_blocks, block_numel] view is block b of
+        # (layer, K/V) plane r; gathers index rows, the fast contiguous path of index_select.
+        self._rows = self.kv.view(2 * num_layers * num_blocks, self.block_numel)
+        self._plane_offsets = torch.arange(2 * num_layers, device=self.device)[:, None] * num_blocks
+
+    # ----------------------------------------------------------------- sizing
+
+    @staticmethod
+    def bytes_per_block_for(
+        num_layers: int, tokens_per_block: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes of one block id across all layers, K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * tokens_per_block * num_kv_heads * head_dim * itemsize
+
+    @classmethod
+    def num_blocks_for_budget(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """How many whole blocks fit in memory_bytes (0 when not even one does)."""
+        return max(0, int(memory_bytes) // cls.bytes_per_block_for(num_layers, tokens_per_block, num_kv_heads, head_dim, dtype))
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        memory_bytes: int,
+        num_layers: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        n = cls.num_blocks_for_budget(memory_bytes, num_layers, tokens_per_block, num_kv_heads, head_dim, dtype=dtype)
+        if n < 1:
+            raise ValueError(f"KV memory budget of {memory_bytes} bytes holds no block")
+        return cls(num_layers, n, tokens_per_block, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: Any,
+        num_blocks: int,
+        tokens_per_block: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """A pool shaped for a model config (``num_hidden_layers``, ``num_key_value_heads``,
+        ``head_dim``), e.g. ``pdserve.workers.model.ModelConfig``."""
+        return cls(
+            config.num_hidden_layers, num_blocks, tokens_per_block, config.num_key_value_heads,
+            config.head_dim, dtype=dtype, device=device,
+        )
+
+    # ----------------------------------------------------------------- block copies
+
+    def block_shape(self, n: int) -> tuple[int, ...]:
+        """Shape of n gathered blocks: [layers, 2, n, B, kv_heads, head_dim]."""
+        return (self.num_layers, 2, n, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+
+    def _row_index(self, block_ids: BlockIds) -> torch.Tensor:
+        ids = torch.as_tensor(block_ids, dtype=torch.long).to(self.device).view(1, -1)  # [1, n]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise IndexError(f"block id out of range [0, {self.num_blocks})")
+        return (self._plane_offsets + ids).view(-1)  # [2 * layers * n], plane-major
+
+    def gather_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy blocks out: contiguous [layers, 2, n, B, kv_heads, head_dim], in block_ids order.
+        ``out`` (contiguous, that shape, the pool's dtype and device) avoids an allocation."""
+        rows = self._row_index(block_ids)
+        n = rows.numel() // (2 * self.num_layers)
+        if out is None:
+            out = torch.empty(self.block_shape(n), dtype=self.dtype, device=self.device)
+        elif tuple(out.shape) != self.block_shape(n) or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {self.dtype} tensor of shape {self.block_shape(n)}")
+        torch.index_select(self._rows, 0, rows, out=out.view(rows.numel(), self.block_numel))
+        return out
+
+    def scatter_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:
+        """Copy blocks in: data [layers, 2, n, B, kv_heads, head_dim] lands in block_ids order.
+        Ids must be distinct (a duplicate would make the result depend on copy order)."""
+        rows = self._row_index(block_ids)
+        n = rows.numel() // (2 * self.num_layers)
+        if tuple(data.shape) != self.block_shape(n):
+            raise ValueError(f"data has shape {tuple(data.shape)}, expected {self.block_shape(n)}")
+        if len(set(torch.as_tensor(block_ids).tolist())) != n:
+            raise ValueError("scatter_blocks needs distinct block ids")
+        src = data.to(device=self.device, dtype=self.dtype).contiguous()
+        self._rows.index_copy_(0, rows, src.view(rows.numel(), self.block_numel))
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's view [2, num_blocks, B, kv_heads, head_dim] (what the model reads)."""
+        return self.kv[layer]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(layers={self.num_layers}, blocks={self.num_blocks}, B={self.tokens_per_block}, "
+            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )

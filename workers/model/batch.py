@@ -1,0 +1,224 @@
+"""The flat batch of one forward step and the index tensors its attention needs.
+
+A step's batch is one flat run of T tokens mixing context chunks (several new tokens of one
+sequence) and decode tokens (one new token per sequence). Each sequence's keys and values live in
+a paged KV pool: token position p of a sequence sits in block ``block_table[p // B]`` at row
+``p % B`` (B = tokens per block). ``AttentionMetadata.build`` turns the per-sequence
+descriptions into index tensors once per step; every layer reuses them.
+
+Decode sequences are batched: sorted by cache length and cut into a few groups whose padded
+length wastes little and whose gathered K/V stays cache-sized, each group attended with one SDPA
+call per layer. Context chunks are
+attended one sequence at a time (their queries already fill a matmul).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+# A new decode group starts when a sequence has fewer blocks than this fraction of the group's
+# longest: bounds the padding waste of one SDPA call against the fixed cost of another call.
+_GROUP_FILL_RATIO = 0.7
+# A group takes sequences regardless of the fill ratio until it holds this many (per-call cost).
+_MIN_GROUP_SEQS = 8
+# Cap on one group's gathered K+V bytes per layer: a gather small enough to stay in cache is
+# read back by SDPA from cache instead of memory (measured ~15% faster per decode step on CPU).
+GROUP_GATHER_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class SeqBatchInfo:
+    """One sequence's part of a step.
+
+    start: index of its first new token in the flat batch.
+    num_new_tokens: new tokens this step (>= 1): a context chunk, or 1 for a decode step.
+    past_len: tokens of this sequence already in the KV pool; the new tokens have positions
+        past_len .. past_len + num_new_tokens - 1.
+    block_table: block ids covering at least past_len + num_new_tokens positions.
+    """
+
+    start: int
+    num_new_tokens: int
+    past_len: int
+    block_table: Sequence[int]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with one new token each, attended together.
+
+    token_index [n]: their rows in the flat batch.
+    gather_rows [2 * n * max_blocks]: rows of a layer's pool viewed as [2 * num_blocks, B*kv*d]:
+        all K blocks (seq-major, padded with block 0) then the same for V.
+    masks[window] [n, 1, 1, n_keys] bool: True where the key is attended.
+    """
+
+    token_index: torch.Tensor
+    gather_rows: torch.Tensor
+    num_seqs: int
+    max_blocks: int
+    masks: dict[int | None, torch.Tensor]
+
+
+@dataclass(slots=True)
+class ContextChunk:
+    """num_new >= 2 new tokens of one sequence (a single new token always goes to a DecodeGroup).
+
+    gather_rows: None when past_len == 0 (its keys are exactly the chunk's fresh K/V); otherwise
+        [2 * num_blocks] rows like DecodeGroup's, covering the past_len + num_new keys.
+    masks[window]: [num_new, n_keys] bool (key position <= query position, inside the window),
+        or None for plain causal attention over the chunk itself.
+    """
+
+    start: int
+    num_new: int
+    past_len: int
+    gather_rows: torch.Tensor | None
+    num_blocks: int
+    masks: dict[int | None, torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    tokens_per_block: int
+    positions: torch.Tensor  # [T] long
+    slots: torch.Tensor  # [T] long: block_id * B + offset, where each new token's K/V is written
+    last_token_index: torch.Tensor  # [num_seqs] long: flat row of each sequence's last new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    context_chunks: list[ContextChunk] = field(default_factory=list)
+    max_gather_rows: int = 0  # largest gather, to size the workspace once per step
+
+    @classmethod
+    def build(
+        cls,
+        seqs: Sequence[SeqBatchInfo],
+        num_tokens: int,
+        tokens_per_block: int,
+        num_blocks: int,
+        windows: Sequence[int | None],
+        device: torch.device | str = "cpu",
+        *,
+        block_bytes: int = 0,
+        group_bytes: int = GROUP_GATHER_BYTES,
+    ) -> AttentionMetadata:
+        """block_bytes: one block's K+V bytes in one layer; with group_bytes it caps the size of
+        a decode group's gather (block_bytes 0: no cap)."""
+        B = tokens_per_block
+        windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        slots = [0] * num_tokens
+        positions = [0] * num_tokens
+        covered = [False] * num_tokens
+        last: list[int] = []
+        decode: list[SeqBatchInfo] = []
+        chunks: list[ContextChunk] = []
+        max_rows = 0
+        for s in seqs:
+            n, past, bt = s.num_new_tokens, s.past_len, s.block_table
+            total = past + n
+            if n < 1 or past < 0 or s.start < 0 or s.start + n > num_tokens:
+                raise ValueError(f"bad sequence slice {s!r} for a batch of {num_tokens} tokens")
+            if len(bt) * B < total:
+                raise ValueError(
+                    f"block table of {len(bt)} blocks cannot hold {total} tokens (B={B})"
+                )
+            for i in range(n):
+                row, pos = s.start + i, past + i
+                if covered[row]:
+                    raise ValueError(f"flat batch row {row} belongs to two sequences")
+                covered[row] = True
+                positions[row] = pos
+                slots[row] = bt[pos // B] * B + pos % B
+            last.append(s.start + n - 1)
+            if n == 1:
+                decode.append(s)
+                continue
+            nb = -(-total // B)
+            rows = None
+            if past > 0:
+                ids = list(bt[:nb])
+                rows = torch.tensor(ids + [i + num_blocks for i in ids], dtype=torch.long)
+                max_rows = max(max_rows, 2 * nb)
+            q_pos = torch.arange(past, total)[:, None]  # [n, 1]
+            k_pos = torch.arange(nb * B if past > 0 else n)[None, :]  # [1, n_keys]
+            masks: dict[int | None, torch.Tensor | None] = {}
+            for w in windows:
+                if past == 0 and (w is None or w >= n):
+                    masks[w] = None  # plain causal over the chunk itself
+                else:
+                    m = k_pos <= q_pos
+                    if w is not None:
+                        m &= k_pos > q_pos - w
+                    masks[w] = m.to(device)
+            chunks.append(ContextChunk(s.start, n, past, _to(rows, device), nb, masks))
+        if not all(covered):
+            raise ValueError("flat batch has rows that belong to no sequence")
+
+        groups = [_decode_group(g, B, num_blocks, windows, device) for g in _split_decode(decode, B, block_bytes, group_bytes)]
+        for g in groups:
+            max_rows = max(max_rows, g.gather_rows.numel())
+        return cls(
+            num_tokens=num_tokens,
+            tokens_per_block=B,
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            last_token_index=torch.tensor(last, dtype=torch.long, device=device),
+            decode_groups=groups,
+            context_chunks=chunks,
+            max_gather_rows=max_rows,
+        )
+
+
+def _to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _split_decode(
+    decode: list[SeqBatchInfo], B: int, block_bytes: int, group_bytes: int
+) -> list[list[SeqBatchInfo]]:
+    """Longest first; cut where a sequence would pad to under _GROUP_FILL_RATIO of the group's
+    longest (unless the group so far is too small to be worth its own call), and where the
+    group's padded gather would pass group_bytes."""
+    order = sorted(decode, key=lambda s: s.past_len, reverse=True)
+    groups: list[list[SeqBatchInfo]] = []
+    head_blocks, cap = 0, 0
+    for s in order:
+        nb = s.past_len // B + 1  # blocks covering past_len + 1 tokens
+        if groups and len(groups[-1]) < cap and (
+            nb >= _GROUP_FILL_RATIO * head_blocks or len(groups[-1]) < _MIN_GROUP_SEQS
+        ):
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+            head_blocks = nb
+            cap = max(1, group_bytes // (nb * block_bytes)) if block_bytes > 0 else len(order)
+    return groups
+
+
+def _decode_group(
+    seqs: list[SeqBatchInfo], B: int, num_blocks: int, windows: Sequence[int | None], device: torch.device | str
+) -> DecodeGroup:
+    max_blocks = max(s.past_len // B + 1 for s in seqs)
+    ids: list[int] = []
+    for s in seqs:
+        nb = s.past_len // B + 1
+        ids.extend(s.block_table[:nb])
+        ids.extend([0] * (max_blocks - nb))
+    rows = torch.tensor(ids + [i + num_blocks for i in ids], dtype=torch.long)
+    lens = torch.tensor([s.past_len + 1 for s in seqs], dtype=torch.long)[:, None]  # [n, 1]
+    k_pos = torch.arange(max_blocks * B)[None, :]  # [1, n_keys]
+    masks: dict[int | None, torch.Tensor] = {}
+    for w in windows:
+        m = k_pos < lens
+        if w is not None:
+            m &= k_pos > lens - 1 - w
+        masks[w] = m.view(len(seqs), 1, 1, -1).to(device)
+    return DecodeGroup(
+        token_index=torch.tensor([s.start for s in seqs], dtype=torch.long, device=device),
+        gather_rows=rows.to(device),
+        num_seqs=len(seqs),
+        max_blocks=max_blocks,
+        masks=masks,
+    )

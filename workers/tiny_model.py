@@ -1,0 +1,194 @@
+"""Write a small random Llama-family model in Hugging Face format (``pdserve make-tiny-model``).
+
+The directory holds config.json, model.safetensors (fp32, N(0, 0.02) init, norms at 1,
+deterministic from the seed), generation_config.json and a byte-level tokenizer.json. It loads
+through ``pdserve.workers.loader`` and through transformers' AutoModelForCausalLM alike.
+
+Tokenizer: ids 0-2 are <unk>, <s>, </s>; ids 3-258 are the 256 bytes (GPT-2 byte-to-unicode
+alphabet, no merges; byte b is id 3 + b), so any UTF-8 text round-trips. Encoding adds no BOS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+NUM_BYTE_TOKENS = 256
+MIN_VOCAB = len(SPECIAL_TOKENS) + NUM_BYTE_TOKENS  # 259
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def byte_to_unicode() -> list[str]:
+    """The byte-level alphabet: printable Latin-1 bytes stand for themselves, the other bytes
+    take code points 256, 257, ... in byte order (the GPT-2 convention tokenizers' ByteLevel uses)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def build_byte_tokenizer() -> Tokenizer:
+    """Byte b encodes to id len(SPECIAL_TOKENS) + b."""
+    byte_chars = byte_to_unicode()
+    if set(byte_chars) != set(pre_tokenizers.ByteLevel.alphabet()):
+        raise RuntimeError("tokenizers' ByteLevel alphabet differs from the expected mapping")
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *byte_chars])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=SPECIAL_TOKENS[UNK_ID]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def _config_json(
+    arch: str, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+    intermediate_size: int, vocab_size: int, max_position_embeddings: int,
+    tie_word_embeddings: bool, rope_theta: float,
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "tie_word_embeddings": tie_word_embeddings,
+        "vocab_size": vocab_size,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    elif arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    else:
+        cfg.update(sliding_window=None)
+    return cfg
+
+
+def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
+
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(H)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
+        w[p + "self_attn.q_proj.weight"] = normal(q, H)
+        w[p + "self_attn.k_proj.weight"] = normal(kv, H)
+        w[p + "self_attn.v_proj.weight"] = normal(kv, H)
+        w[p + "self_attn.o_proj.weight"] = normal(H, q)
+        if cfg["model_type"] == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = normal(q)
+            w[p + "self_attn.k_proj.bias"] = normal(kv)
+            w[p + "self_attn.v_proj.bias"] = normal(kv)
+        w[p + "mlp.gate_proj.weight"] = normal(I, H)
+        w[p + "mlp.up_proj.weight"] = normal(I, H)
+        w[p + "mlp.down_proj.weight"] = normal(H, I)
+    w["model.norm.weight"] = torch.ones(H)
+    if not cfg["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(V, H)
+    return w
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    vocab_size: int = 384,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    seed: int = 0,
+) -> Path:
+    """Write the model directory and return its path. intermediate_size defaults to 2x hidden."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHITECTURES)})")
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (3 special + 256 byte tokens)")
+    if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 2:
+        raise ValueError("need hidden_size % num_heads == 0, num_heads % num_kv_heads == 0, even head_dim")
+    cfg = _config_json(
+        arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size or 2 * hidden_size,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings, rope_theta=rope_theta,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    save_file(_random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    build_byte_tokenizer().save(str(out / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": SPECIAL_TOKENS[UNK_ID],
+        "model_max_length": max_position_embeddings,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve make-tiny-model", description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", metavar="DIR")
+    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--num-kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate-size", type=int, default=None, help="default: 2 x hidden size")
+    ap.add_argument("--vocab-size", type=int, default=384)
+    ap.add_argument("--max-position-embeddings", type=int, default=4096)
+    ap.add_argument("--tie-word-embeddings", action="store_true")
+    ap.add_argument("--rope-theta", type=float, default=10000.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        path = make_tiny_model(
+            a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers,
+            num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, intermediate_size=a.intermediate_size,
+            vocab_size=a.vocab_size, max_position_embeddings=a.max_position_embeddings,
+            tie_word_embeddings=a.tie_word_embeddings, rope_theta=a.rope_theta, seed=a.seed,
+        )
+    except ValueError as e:
+        ap.error(str(e))
+    print(path)
+    return 0
