@@ -65,7 +65,7 @@ class _Tracked:
     request: LlmRequest
     sampler: RequestSampler
     params: SamplingParams
-    emitted: int = 0  # generated tokens already reported
+    emitted: list[int] = field(default_factory=list)  # generated tokens already reported
     finish_reason: str | None = None
 
 
@@ -88,9 +88,18 @@ class Executor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
-        self.max_input_len = config.max_input_len or max_seq_len - 1
+        default_input_len = max_seq_len - 1
+        if config.context_chunking_policy is None:
+            # Without chunking a whole prompt (or a paused request's recompute) runs in one step.
+            default_input_len = min(default_input_len, config.max_num_tokens)
+        self.max_input_len = config.max_input_len or default_input_len
         if self.max_input_len >= max_seq_len:
             raise ValueError(f"max_input_len ({self.max_input_len}) must be < max_seq_len ({max_seq_len})")
+        if config.context_chunking_policy is None and self.max_input_len > config.max_num_tokens:
+            raise ValueError(
+                f"max_input_len ({self.max_input_len}) must be <= max_num_tokens "
+                f"({config.max_num_tokens}) when context chunking is off"
+            )
         self.kv = KVCacheManager(
             kv_pool.num_blocks,
             kv_pool.tokens_per_block,
@@ -113,6 +122,9 @@ class Executor:
             max_batch_size=config.max_batch_size,
             max_num_tokens=config.max_num_tokens,
         )
+        # Priority order lives in the waiting queue; activation appends, so a started request
+        # (mid chunked prefill) is never overtaken by a later arrival in the active list.
+        self.waiting: list[LlmRequest] = []
         self.active: list[LlmRequest] = []
         self.tracked: dict[int, _Tracked] = {}
         self.stats = ExecutorStats()
@@ -142,7 +154,7 @@ class Executor:
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
         self.tracked[request.request_id] = _Tracked(request, RequestSampler(params, self._device), params)
-        insert_request_in_order(self.active, request)
+        insert_request_in_order(self.waiting, request)
 
     def abort(self, request_id: int) -> RequestUpdate | None:
         """Frees everything the request holds. Returns its final update, or None if unknown."""
@@ -150,15 +162,16 @@ class Executor:
         if tracked is None:
             return None
         request = tracked.request
-        if request in self.active:
-            self.active.remove(request)
+        for queue in (self.waiting, self.active):
+            if request in queue:
+                queue.remove(request)
         lifecycle.finish_request(request, self.kv)
         self.stats.aborted += 1
         return RequestUpdate(request_id, [], True, "abort")
 
     @property
     def has_work(self) -> bool:
-        return bool(self.active)
+        return bool(self.active or self.waiting)
 
     @property
     def num_free_blocks(self) -> int:
@@ -167,6 +180,8 @@ class Executor:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestUpdate]:
+        self.active.extend(self.waiting)
+        self.waiting.clear()
         t0 = time.perf_counter()
         out = self.scheduler.schedule(self.active, set())
         self.stats.schedule_seconds += time.perf_counter() - t0
@@ -244,6 +259,15 @@ class Executor:
         """Stop checks after a token was appended; finished requests free their KV."""
         tracked = self.tracked[request.request_id]
         self.stats.generated_tokens += 1
+        generated = request.get_tokens(0)[request.orig_prompt_len :]
+        if len(generated) <= len(tracked.emitted):
+            # A pause clamped at max_input_len dropped tokens the client already has; the
+            # regenerated position keeps what was streamed, so there is no duplicate or gap.
+            token = tracked.emitted[len(generated) - 1]
+            request.get_tokens(0)[-1] = token
+            generated[-1] = token
+        new = generated[len(tracked.emitted) :]
+        tracked.emitted.extend(new)
         reason = None
         if token in self.eos_token_ids and not tracked.params.ignore_eos:
             reason = "stop"
@@ -251,9 +275,6 @@ class Executor:
             reason = "stop"
         elif lifecycle.reached_max_tokens(request):
             reason = "length"
-        generated = request.get_tokens(0)[request.orig_prompt_len :]
-        new = generated[tracked.emitted :]
-        tracked.emitted = len(generated)
         if reason is None:
             return RequestUpdate(request.request_id, new, False, None)
         tracked.finish_reason = reason

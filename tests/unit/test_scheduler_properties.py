@@ -77,7 +77,12 @@ def _build(cfg, specs):
         max_batch_size=cfg["max_batch_size"],
         max_num_tokens=max_tokens,
     )
-    worker = SimulatedWorker(scheduler, kv, max_input_len=1000, transfer_steps=cfg["transfer_steps"])
+    # Without chunking a whole (re)computed prompt must fit one step, so pauses clamp the
+    # folded prompt at max_num_tokens, as an executor's max_input_len would.
+    max_input_len = max_tokens if cfg["chunking"] is None else 1000
+    worker = SimulatedWorker(
+        scheduler, kv, max_input_len=max_input_len, transfer_steps=cfg["transfer_steps"]
+    )
     families = {f: [500 + 37 * f + i for i in range(40)] for f in range(1, 4)}
     arrivals = []
     for rid, (p, n, at, prio, fam, gen_only) in enumerate(specs):
