@@ -35,7 +35,10 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q tests
 
 bench: $(VENV)/.installed-bench $(VENV)/.installed-test
-	$(BIN)/python bench/scheduler.py $(BENCH_ARGS)
+	mkdir -p bench/out
+	$(BIN)/python bench/scheduler.py --json bench/out/scheduler.json $(BENCH_ARGS)
+	$(BIN)/python bench/engine.py --json bench/out/engine.json
+	$(BIN)/python bench/transfer.py --json bench/out/transfer.json
 
 clean-venv:
 	rm -rf $(VENV)
