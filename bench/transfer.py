@@ -1,0 +1,243 @@
+"""KV transfer throughput: pdserve's KVSender -> KVReceiver against a raw torch.distributed
+send/recv of one contiguous tensor of the same total bytes, both over gloo between two spawned
+processes on 127.0.0.1, plus the latency of a one-block transfer.
+
+Setup: two KV pools (8 layers, 16 tokens per block, 8 KV heads, head_dim 64, fp32: 512 KiB per
+block), payloads of 1, 16 and 128 MiB (2, 32 and 256 blocks). Block ids are a random permutation
+on each side (a fragmented pool, so every block is gathered and scattered), or consecutive with
+``--contiguous``. pdserve's figure is the generation side's per-transfer record (bytes / seconds,
+from the header's arrival to the last block scattered); the raw figure is the receiver's time
+from posting the recv to its completion. The control messages travel over a pipe between the two
+processes (Ray in production); "e2e" latency includes them.
+
+Goal: pdserve >= 0.8x raw at 16 and 128 MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+SIZES_MB = (1, 16, 128)
+MODES = ("scattered", "consecutive")  # block ids: a random permutation / one run per side
+LAYERS, TOKENS_PER_BLOCK, KV_HEADS, HEAD_DIM = 8, 16, 8, 64
+
+
+def _pool(num_blocks: int) -> Any:
+    import torch
+
+    from pdserve.workers.kv_pool import KVPool
+
+    pool = KVPool(LAYERS, num_blocks, TOKENS_PER_BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32)
+    pool.kv.normal_()
+    return pool
+
+
+def _block_ids(num_blocks: int, n: int, rng: random.Random, contiguous: bool) -> list[int]:
+    if contiguous:
+        start = rng.randrange(0, num_blocks - n + 1)
+        return list(range(start, start + n))
+    return rng.sample(range(num_blocks), n)
+
+
+def _raw_group(endpoint: str, rank: int) -> Any:
+    import torch.distributed as dist
+
+    host, port = endpoint.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=30))
+    return dist.ProcessGroupGloo(dist.PrefixStore("bench-raw", store), rank, 2,
+                                 datetime.timedelta(seconds=60))
+
+
+def _ctx_main(conn: Any, args: dict[str, Any]) -> None:
+    import torch
+
+    from pdserve.transport.torch_dist import KVSender, TransportConfig
+
+    torch.set_num_threads(args["threads"])
+    rng = random.Random(1)
+    pool = _pool(args["num_blocks"])
+    sender = KVSender("bench-ctx", pool, config=TransportConfig(chunk_bytes=args["chunk_bytes"]))
+    conn.send(sender.endpoint)
+    raw = _raw_group(sender.endpoint, 0)
+    rid = 0
+    sent = torch.ones(max(args["sizes_mb"]) << 20, dtype=torch.uint8)
+    while True:
+        cmd, *rest = conn.recv()
+        if cmd == "raw":
+            raw.barrier().wait()
+            raw.send([sent[: rest[0]]], 1, 1).wait()
+        elif cmd == "hold":
+            n, contiguous = rest
+            rid += 1
+            sender.hold(rid, _block_ids(pool.num_blocks, n, rng, contiguous))
+            conn.send(rid)
+        elif cmd == "kv":
+            conn.send(sender.handle(rest[0]))
+            sender.poll()
+        elif cmd == "stop":
+            sender.close()
+            conn.send("stopped")
+            return
+
+
+def _gen_main(conn: Any, args: dict[str, Any]) -> None:
+    import torch
+
+    from pdserve.transport.torch_dist import KVReceiver, TransportConfig
+
+    torch.set_num_threads(args["threads"])
+    rng = random.Random(2)
+    pool = _pool(args["num_blocks"])
+    config = TransportConfig(chunk_bytes=args["chunk_bytes"])
+    receiver = KVReceiver("bench-gen", pool, config=config)
+    raw = _raw_group(args["endpoint"], 1)
+    runs: dict[str, dict[str, list[float]]] = {k: {} for k in ("raw", *MODES)}
+    e2e: dict[str, list[float]] = {}
+    gid = 0
+    buf = torch.zeros(max(args["sizes_mb"]) << 20, dtype=torch.uint8)
+
+    def pd(n: int, contiguous: bool) -> tuple[float, float]:
+        nonlocal gid
+        gid += 1
+        return _pd_once(conn, receiver, pool, n, contiguous, args["endpoint"], rng, gid)
+
+    for mb in args["sizes_mb"]:
+        nbytes, n = mb << 20, max(1, (mb << 20) // pool.bytes_per_block)
+        for rep in range(args["reps"] + 1):  # rep 0 warms groups and staging buffers
+            conn.send(("raw", nbytes))
+            raw.barrier().wait()
+            t0 = time.perf_counter()
+            raw.recv([buf[:nbytes]], 0, 1).wait()
+            t_raw = time.perf_counter() - t0
+            t_pd = {mode: pd(n, mode == "consecutive")[0] for mode in MODES}
+            if rep:
+                runs["raw"].setdefault(str(mb), []).append(t_raw)
+                for mode in MODES:
+                    runs[mode].setdefault(str(mb), []).append(t_pd[mode])
+    for rep in range(args["reps"] + 1):
+        data_s, wall_s = pd(1, False)
+        if rep:
+            runs[MODES[0]].setdefault("1blk", []).append(data_s)
+            e2e.setdefault("1blk", []).append(wall_s)
+    conn.send(("stop",))
+    receiver.close()
+    conn.send(("result", {"runs": runs, "e2e": e2e}))
+
+
+def _pd_once(conn: Any, receiver: Any, pool: Any, n: int, contiguous: bool, endpoint: str,
+             rng: random.Random, gid: int) -> tuple[float, float]:
+    """One transfer of n blocks: (data-plane seconds of the generation record, wall seconds
+    from issuing the request to the polled result)."""
+    from pdserve.transport.protocol import encode_message
+
+    conn.send(("hold", n, contiguous))
+    ctx_rid = conn.recv()
+    t0 = time.perf_counter()
+    req = receiver.start(gid, ctx_worker_id="bench-ctx", ctx_endpoint=endpoint,
+                         ctx_request_id=ctx_rid,
+                         block_ids=_block_ids(pool.num_blocks, n, rng, contiguous),
+                         timeout_s=60.0)
+    conn.send(("kv", encode_message(req)))
+    result = None
+    while result is None:
+        results = receiver.poll()
+        result = results[0] if results else None
+        if result is None:
+            time.sleep(0.0002)
+    wall = time.perf_counter() - t0
+    receiver.handle(conn.recv())
+    if not result.ok:
+        raise RuntimeError(f"transfer failed: {result.reason}")
+    return result.seconds, wall
+
+
+def run(sizes_mb: tuple[int, ...], reps: int, chunk_bytes: int, threads: int) -> dict[str, Any]:
+    mpc = mp.get_context("spawn")
+    num_blocks = max(sizes_mb) * 2 + 16  # 512 KiB blocks: room for the largest payload twice
+    args = {"num_blocks": num_blocks, "chunk_bytes": chunk_bytes, "reps": reps,
+            "sizes_mb": sizes_mb, "threads": threads}
+    a_ctx, b_ctx = mpc.Pipe()
+    ctx = mpc.Process(target=_ctx_main, args=(b_ctx, args), daemon=True)
+    ctx.start()
+    if not a_ctx.poll(120):
+        raise TimeoutError("context process did not start")
+    args["endpoint"] = a_ctx.recv()
+    a_gen, b_gen = mpc.Pipe()
+    gen = mpc.Process(target=_gen_main, args=(b_gen, args), daemon=True)
+    gen.start()
+    try:
+        while True:  # relay the generation process's commands to the context process
+            if not a_gen.poll(300):
+                raise TimeoutError("bench stalled")
+            msg = a_gen.recv()
+            if msg[0] == "result":
+                out = msg[1]
+                break
+            a_ctx.send(msg)
+            if msg[0] in ("hold", "kv"):
+                if not a_ctx.poll(300):
+                    raise TimeoutError("context process stalled")
+                a_gen.send(a_ctx.recv())
+            elif msg[0] == "stop" and a_ctx.poll(30):
+                a_ctx.recv()
+    finally:
+        for p in (gen, ctx):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def summarize(out: dict[str, Any]) -> dict[str, Any]:
+    med, runs = statistics.median, out["runs"]
+    rows = []
+    for mb in runs["raw"]:
+        nbytes = int(mb) << 20
+        row: dict[str, Any] = {"payload_mb": int(mb),
+                               "raw_gb_s": nbytes / med(runs["raw"][mb]) / 1e9}
+        for mode in MODES:
+            row[f"{mode}_gb_s"] = nbytes / med(runs[mode][mb]) / 1e9
+            row[f"{mode}_ratio"] = row[f"{mode}_gb_s"] / row["raw_gb_s"]
+        rows.append(row)
+    lat = {"one_block_bytes": 512 << 10,
+           "data_plane_ms": 1e3 * med(runs[MODES[0]]["1blk"]),
+           "e2e_ms": 1e3 * med(out["e2e"]["1blk"])}
+    return {"rows": rows, "one_block_latency": lat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk-mb", type=float, default=4.0, help="TransportConfig.chunk_bytes")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    ap.add_argument("--json", metavar="FILE")
+    a = ap.parse_args(argv)
+    out = run(tuple(a.sizes_mb), a.reps, int(a.chunk_mb * (1 << 20)), a.threads)
+    s = summarize(out)
+    s["config"] = {"backend": "gloo", "reps": a.reps, "chunk_mb": a.chunk_mb,
+                   "block_bytes": 512 << 10, "threads": a.threads, "dtype": "float32"}
+    print(f"{'payload':>8} {'raw GB/s':>9} | {'scattered ids':>13} {'ratio':>6} | "
+          f"{'consecutive ids':>15} {'ratio':>6}")
+    for r in s["rows"]:
+        print(f"{r['payload_mb']:>6}MB {r['raw_gb_s']:>9.2f} | {r['scattered_gb_s']:>13.2f} "
+              f"{r['scattered_ratio']:>6.2f} | {r['consecutive_gb_s']:>15.2f} "
+              f"{r['consecutive_ratio']:>6.2f}")
+    lat = s["one_block_latency"]
+    print(f"one 512 KiB block (scattered): data plane {lat['data_plane_ms']:.2f} ms, "
+          f"end to end with control messages {lat['e2e_ms']:.2f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
