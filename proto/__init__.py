@@ -1,0 +1,1 @@
+"""Protocol definitions; see proto/pdserve/v1/router.proto."""

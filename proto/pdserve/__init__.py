@@ -1,0 +1,1 @@
+"""The pdserve proto package (mirrors the proto package path pdserve.v1)."""
