@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ from .executor import Executor, RequestUpdate
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model, resolve_dtype
 from .sampling import SamplingParams
+from .transceiver import KVTransceiver
 
 Prompt = str | Sequence[int]
 
@@ -38,38 +39,52 @@ class RequestOutput:
     finish_reason: str | None = None
 
 
+def build_executor(
+    model: str | Path | LoadedModel,
+    config: EngineConfig,
+    *,
+    transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
+) -> tuple[LoadedModel, Executor]:
+    """Load the model, size and allocate the KV pool and build the executor (with a KV
+    transceiver for disaggregated workers)."""
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    mcfg = loaded.config
+    max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+    B = config.tokens_per_block
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        per_block = KVPool.bytes_per_block_for(
+            mcfg.num_hidden_layers, B, mcfg.num_key_value_heads, mcfg.head_dim, loaded.model.dtype
+        )
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            want = config.max_batch_size * -(-min(max_seq_len, _DEFAULT_TOKENS_PER_SEQ) // B)
+            budget = min(_DEFAULT_KV_MEMORY_CAP, want * per_block)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {per_block} bytes")
+    kv_pool = KVPool.for_model(mcfg, num_blocks, B, dtype=loaded.model.dtype, device=device)
+    executor = Executor(
+        loaded.model,
+        kv_pool,
+        config,
+        eos_token_ids=loaded.eos_token_ids,
+        vocab_size=mcfg.vocab_size,
+        max_seq_len=max_seq_len,
+        transceiver=transceiver_factory(kv_pool) if transceiver_factory is not None else None,
+    )
+    return loaded, executor
+
+
 class LLMEngine:
     def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
         self.config = EngineConfig.from_kwargs(engine_config)
-        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = resolve_dtype(self.config.dtype, device)
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
-        mcfg = self.loaded.config
+        self.loaded, self.executor = build_executor(model, self.config)
+        self.kv_pool = self.executor.kv_pool
         self.tokenizer = self.loaded.tokenizer
-        max_seq_len = self.config.max_seq_len or mcfg.max_position_embeddings
-        B = self.config.tokens_per_block
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        else:
-            per_block = KVPool.bytes_per_block_for(
-                mcfg.num_hidden_layers, B, mcfg.num_key_value_heads, mcfg.head_dim, self.loaded.model.dtype
-            )
-            budget = self.config.kv_cache_memory_bytes
-            if budget is None:
-                want = self.config.max_batch_size * -(-min(max_seq_len, _DEFAULT_TOKENS_PER_SEQ) // B)
-                budget = min(_DEFAULT_KV_MEMORY_CAP, want * per_block)
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {per_block} bytes")
-        self.kv_pool = KVPool.for_model(mcfg, num_blocks, B, dtype=self.loaded.model.dtype, device=device)
-        self.executor = Executor(
-            self.loaded.model,
-            self.kv_pool,
-            self.config,
-            eos_token_ids=self.loaded.eos_token_ids,
-            vocab_size=mcfg.vocab_size,
-            max_seq_len=max_seq_len,
-        )
         self._ids = itertools.count()
         self._outputs: dict[int, RequestOutput] = {}
 

@@ -21,6 +21,7 @@ import torch
 from pdserve.scheduler import (
     CapacityScheduler,
     ContextChunkingConfig,
+    ContextPhaseParams,
     KVCacheManager,
     LlmRequest,
     LlmRequestState,
@@ -34,17 +35,23 @@ from .config import EngineConfig
 from .kv_pool import KVPool
 from .model.batch import SeqBatchInfo
 from .sampling import RequestSampler, SamplingParams, sample
+from .transceiver import KVTransceiver
 
 log = logging.getLogger("pdserve.executor")
 
 
 class RequestUpdate(NamedTuple):
-    """What one step produced for one request: tokens not reported before, and the finish."""
+    """What one step produced for one request: tokens not reported before, and the finish.
+
+    A context-only request that finished its prefill ends here with ``context_phase_params``
+    (its KV is leased for a generation worker); ``error`` explains finish_reason "error"."""
 
     request_id: int
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    context_phase_params: ContextPhaseParams | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +88,7 @@ class Executor:
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int,
         max_seq_len: int,
+        transceiver: KVTransceiver | None = None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -128,6 +136,7 @@ class Executor:
         self.active: list[LlmRequest] = []
         self.tracked: dict[int, _Tracked] = {}
         self.stats = ExecutorStats()
+        self.transceiver = transceiver
         self._device = kv_pool.device
 
     # ------------------------------------------------------------------ admission
@@ -153,25 +162,46 @@ class Executor:
             raise ValueError(
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
-        self.tracked[request.request_id] = _Tracked(request, RequestSampler(params, self._device), params)
+        tracked = _Tracked(request, RequestSampler(params, self._device), params)
+        if request.is_generation_only_request:
+            cpp = request.context_phase_params
+            if self.transceiver is None or self.transceiver.receiver is None:
+                raise ValueError("generation-only requests need a worker with a KV receiver")
+            if cpp is None or len(cpp.first_gen_tokens) != request.beam_width:
+                raise ValueError("context_phase_params must carry the first generated token")
+            # The context worker's first token reached the client through the router already.
+            tracked.emitted = list(cpp.first_gen_tokens)
+        elif request.is_context_only_request and (
+            self.transceiver is None or self.transceiver.sender is None
+        ):
+            raise ValueError("context-only requests need a worker with a KV sender")
+        self.tracked[request.request_id] = tracked
         insert_request_in_order(self.waiting, request)
 
     def abort(self, request_id: int) -> RequestUpdate | None:
         """Frees everything the request holds. Returns its final update, or None if unknown."""
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
-            return None
+            handed_off = self.transceiver.transmitting.get(request_id) if self.transceiver else None
+            if handed_off is None:
+                return None
+            self.transceiver.abort(handed_off, self.kv)  # blocks freed once the send is quiet
+            self.stats.aborted += 1
+            return RequestUpdate(request_id, [], True, "abort")
         request = tracked.request
         for queue in (self.waiting, self.active):
             if request in queue:
                 queue.remove(request)
-        lifecycle.finish_request(request, self.kv)
+        # A receive in flight keeps its blocks until the transport says it is quiet.
+        if self.transceiver is None or not self.transceiver.abort(request, self.kv):
+            lifecycle.finish_request(request, self.kv)
         self.stats.aborted += 1
         return RequestUpdate(request_id, [], True, "abort")
 
     @property
     def has_work(self) -> bool:
-        return bool(self.active or self.waiting)
+        t = self.transceiver
+        return bool(self.active or self.waiting or (t is not None and (t.transmitting or t.draining)))
 
     @property
     def num_free_blocks(self) -> int:
@@ -182,10 +212,15 @@ class Executor:
     def step(self) -> list[RequestUpdate]:
         self.active.extend(self.waiting)
         self.waiting.clear()
+        updates: list[RequestUpdate] = []
+        if self.transceiver is not None:
+            updates.extend(self._poll_transfers())
         t0 = time.perf_counter()
         out = self.scheduler.schedule(self.active, set())
         self.stats.schedule_seconds += time.perf_counter() - t0
         self._pause(out.paused_requests)
+        for request in out.fitting_disagg_gen_init_requests:
+            self.transceiver.start_receive(request, self.kv)
 
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
@@ -194,10 +229,9 @@ class Executor:
 
         if not contexts and not out.generation_requests:
             self.stats.steps += 1
-            return []
+            return updates
         tokens = self._forward_and_sample(contexts, out.generation_requests)
 
-        updates: list[RequestUpdate] = []
         for request, n in contexts:
             self.stats.context_tokens += n
             token = tokens.get(request.request_id)
@@ -208,6 +242,62 @@ class Executor:
             lifecycle.complete_generation_step(request, token)
             updates.append(self._after_token(request, token))
         self.stats.steps += 1
+        return updates
+
+    def status(self) -> dict:
+        """A snapshot for GetClusterStatus: requests by state, KV blocks, transfers, pauses and
+        the invariants a drained worker must satisfy (free + used == total; every block held by
+        a live request)."""
+        t = self.transceiver
+        live: dict[int, LlmRequest] = {r.request_id: r for r in self.active + self.waiting}
+        if t is not None:
+            live.update(t.transmitting)
+            live.update(t.draining)
+        by_state: dict[str, int] = {}
+        for r in live.values():
+            by_state[r.state.name] = by_state.get(r.state.name, 0) + 1
+        free, used = self.kv.get_num_free_blocks(), self.kv.get_num_used_blocks()
+        violations = []
+        if free + used != self.kv.num_blocks:
+            violations.append(f"free {free} + used {used} != total {self.kv.num_blocks}")
+        orphans = [rid for rid in self.kv.sequence_ids() if rid not in live]
+        if orphans:
+            violations.append(f"blocks held by no live request: {sorted(orphans)[:10]}")
+        ts = t.stats if t is not None else None
+        return {
+            "requests_by_state": by_state,
+            "num_active": len(self.active),
+            "queue_depth": len(self.waiting),
+            "free_blocks": free,
+            "total_blocks": self.kv.num_blocks,
+            "pauses": self.stats.pauses,
+            "steps": self.stats.steps,
+            "finished": self.stats.finished,
+            "aborted": self.stats.aborted,
+            "quarantined_blocks": t.num_quarantined_blocks if t is not None else 0,
+            "transfers": {
+                "sent": ts.sent, "received": ts.received, "failed": ts.failed,
+                "leases_expired": ts.leases_expired, "bytes_sent": ts.bytes_sent,
+                "bytes_received": ts.bytes_received, "seconds": ts.seconds,
+                "outcomes": _count(r.outcome for r in ts.records),
+                "records": [r._asdict() for r in list(ts.records)[-64:]],
+            } if ts is not None else None,
+            "violations": violations,
+        }
+
+    def _poll_transfers(self) -> list[RequestUpdate]:
+        # Block briefly only when nothing but receives is left to run (reference 1.4 step 2).
+        waiting_only = bool(self.active) and all(
+            r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS for r in self.active
+        )
+        failed = self.transceiver.poll(self.active, self.kv, wait_s=0.02 if waiting_only else 0.0)
+        updates = []
+        for request, reason in failed:
+            self.active.remove(request)
+            self.tracked.pop(request.request_id, None)
+            log.warning("request %d: KV transfer failed: %s", request.request_id, reason)
+            updates.append(RequestUpdate(request.request_id, [], True, "error", None,
+                                         f"KV transfer failed: {reason}"))
         return updates
 
     def _pause(self, paused: list[LlmRequest]) -> None:
@@ -275,6 +365,12 @@ class Executor:
             reason = "stop"
         elif lifecycle.reached_max_tokens(request):
             reason = "length"
+        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS and reason in (None, "length"):
+            # Context-only: the slot is freed now, the blocks stay leased for the generation side.
+            self.active.remove(request)
+            del self.tracked[request.request_id]
+            params = self.transceiver.hand_off(request, self.kv, token)
+            return RequestUpdate(request.request_id, new, True, "length", params)
         if reason is None:
             return RequestUpdate(request.request_id, new, False, None)
         tracked.finish_reason = reason
@@ -283,3 +379,10 @@ class Executor:
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
         return RequestUpdate(request.request_id, new, True, reason)
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out

@@ -1,0 +1,231 @@
+"""The executor's side of disaggregated serving (TensorRT-LLM's cache transceiver, reference
+sections 1.4 and 7): context-only requests hand their KV off under a lease, generation-only
+requests reserve KV at DISAGG_GENERATION_INIT and receive it.
+
+Context side: at the end of prefill a context-only request is DISAGG_CONTEXT_TRANS_IN_PROGRESS;
+its slot is freed at once but its blocks stay, leased to the transport until a generation worker
+claims them. When the send is over (or the lease expires, or it fails) the transport hands the
+session back and the blocks are freed: DISAGG_CONTEXT_COMPLETE or DISAGG_TRANS_ERROR.
+
+Generation side: a generation-only request enters in DISAGG_GENERATION_INIT; when the capacity
+scheduler reserves it (``fitting_disagg_gen_init``) its blocks are allocated, blocks its own
+prefix cache already holds are skipped, and a KV request goes out through the driver's control
+plane (``outbox``). Completion moves it to DISAGG_GENERATION_TRANS_COMPLETE, a failure or timeout
+to DISAGG_TRANS_ERROR. Blocks a receive may still be writing into are never freed early: the
+transport quarantines them and hands the session back only once the data plane is quiet.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, lifecycle
+from pdserve.transport.protocol import encode_message
+
+if TYPE_CHECKING:
+    from pdserve.transport.torch_dist import KVReceiver, KVSender
+
+log = logging.getLogger("pdserve.transceiver")
+S = LlmRequestState
+
+
+class TransferRecord(NamedTuple):
+    request_id: int
+    side: str  # "send" | "recv"
+    outcome: str  # final session state name, e.g. SENT, COMPLETE, EXPIRED, TIMED_OUT
+    nbytes: int
+    seconds: float
+    reason: str
+
+
+@dataclass(slots=True)
+class TransceiverStats:
+    sent: int = 0
+    received: int = 0
+    failed: int = 0
+    leases_expired: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    # The most recent transfers (bounded so a long-running worker does not grow).
+    records: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=10_000))
+
+
+class KVTransceiver:
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        sender: KVSender | None = None,
+        receiver: KVReceiver | None = None,
+        lease_s: float = 30.0,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.sender = sender
+        self.receiver = receiver
+        self.lease_s = lease_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.stats = TransceiverStats()
+        # Context side: finished context-only requests whose blocks are leased.
+        self.transmitting: dict[int, LlmRequest] = {}
+        # Generation side: aborted requests whose receive must go quiet before blocks are freed.
+        self.draining: dict[int, LlmRequest] = {}
+        # (ctx worker id, encoded control message) for the driver to deliver; replies come back
+        # through ``deliver_reply`` from any thread.
+        self.outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+
+    # ------------------------------------------------------------------ context side
+
+    @property
+    def endpoint(self) -> str | None:
+        return self.sender.endpoint if self.sender is not None else None
+
+    def hand_off(self, request: LlmRequest, kv, first_token: int) -> ContextPhaseParams:
+        """A context-only request finished its prefill: lease its blocks and describe them."""
+        if self.sender is None:
+            raise RuntimeError("context-only request on a worker without a KV sender")
+        block_ids = kv.get_block_ids(request.request_id)
+        self.sender.hold(request.request_id, block_ids, lease_s=self.lease_s)
+        self.transmitting[request.request_id] = request
+        return ContextPhaseParams(
+            ctx_request_id=request.request_id,
+            first_gen_tokens=[first_token],
+            opaque_state=self.sender.endpoint.encode(),
+            draft_tokens=None,
+            prompt_token_ids=list(request.get_prompt_tokens()),
+            ctx_worker_id=self.worker_id,
+            num_blocks=len(block_ids),
+        )
+
+    # ------------------------------------------------------------------ generation side
+
+    def start_receive(self, request: LlmRequest, kv) -> None:
+        """For a request the capacity scheduler reserved: allocate (the reservation), skip what the
+        own prefix cache holds, and ask the context worker for the rest."""
+        if self.receiver is None:
+            raise RuntimeError("generation-only request on a worker without a KV receiver")
+        params = request.context_phase_params
+        if params is None or params.ctx_worker_id is None or not params.opaque_state:
+            raise ValueError(f"request {request.request_id} lacks context phase params")
+        lifecycle.reserve_generation_init(request, kv)
+        cached_blocks = request.prepopulated_prompt_len // kv.tokens_per_block
+        kv_request = self.receiver.start(
+            request.request_id,
+            ctx_worker_id=params.ctx_worker_id,
+            ctx_endpoint=params.opaque_state.decode(),
+            ctx_request_id=params.ctx_request_id,
+            block_ids=kv.get_block_ids(request.request_id),
+            num_cached_blocks=cached_blocks,
+            timeout_s=self.transfer_timeout_s,
+        )
+        self.outbox.put((params.ctx_worker_id, encode_message(kv_request)))
+
+    def deliver_reply(self, payload: bytes | None) -> None:
+        """Thread-safe: the context worker's answer to a KV request."""
+        if payload:
+            self._replies.put(payload)
+
+    # ------------------------------------------------------------------ both sides
+
+    def poll(self, active: list[LlmRequest], kv, *, wait_s: float = 0.0) -> list[tuple[LlmRequest, str]]:
+        """Apply finished transfers. Returns generation requests whose transfer failed, with the
+        reason; their blocks are already free. With ``wait_s`` > 0 and every active request
+        receiving, waits up to that long for one receive to finish (reference 1.4 step 2)."""
+        failed: list[tuple[LlmRequest, str]] = []
+        if self.sender is not None:
+            for result in self.sender.poll():
+                self._finish_send(result, kv)
+        if self.receiver is None:
+            return failed
+        deadline = time.monotonic() + wait_s
+        while True:
+            while True:
+                try:
+                    self.receiver.handle(self._replies.get_nowait())
+                except queue.Empty:
+                    break
+            results = self.receiver.poll()
+            if results or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
+        by_id = {r.request_id: r for r in active}
+        for result in results:
+            self._record(result, "recv")
+            request = by_id.get(result.request_id)
+            drained = self.draining.pop(result.request_id, None)
+            if drained is not None:  # aborted while receiving: the blocks are quiet now
+                lifecycle.finish_request(drained, kv, S.GENERATION_COMPLETE)
+                continue
+            if request is None:
+                continue
+            if result.ok:
+                request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
+                if kv.enable_block_reuse:
+                    # The received prompt blocks serve later requests' prefixes too.
+                    kv.store_context_blocks(request)
+            else:
+                lifecycle.finish_request(request, kv, S.DISAGG_TRANS_ERROR)
+                failed.append((request, result.reason))
+        return failed
+
+    def abort(self, request: LlmRequest, kv) -> bool:
+        """Abort a request the transport may still touch. Returns True when its blocks will be
+        freed later (after the transport hands the session back), False if nothing was pending."""
+        rid = request.request_id
+        if rid in self.transmitting:
+            self.sender.cancel(rid, "aborted")
+            return True  # freed by _finish_send once the transport hands the session back
+        if request.state == S.DISAGG_GENERATION_TRANS_IN_PROGRESS and self.receiver is not None:
+            cancel = self.receiver.cancel(rid, "aborted")
+            if cancel is not None:
+                params = request.context_phase_params
+                self.outbox.put((params.ctx_worker_id, encode_message(cancel)))
+            self.draining[rid] = request
+            return True
+        return False
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        total = 0
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                total += side.sessions.num_quarantined_blocks
+        return total
+
+    def close(self) -> None:
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+
+    def _finish_send(self, result, kv) -> None:
+        self._record(result, "send")
+        request = self.transmitting.pop(result.request_id, None)
+        if request is None:
+            return
+        state = S.DISAGG_CONTEXT_COMPLETE if result.ok else S.DISAGG_TRANS_ERROR
+        if result.state.name == "EXPIRED":
+            self.stats.leases_expired += 1
+            log.warning("request %d: lease expired before a generation worker claimed its KV; "
+                        "%d blocks freed", result.request_id, len(result.block_ids))
+        lifecycle.finish_request(request, kv, state)
+
+    def _record(self, result, side: str) -> None:
+        s = self.stats
+        if result.ok:
+            if side == "send":
+                s.sent += 1
+                s.bytes_sent += result.nbytes
+            else:
+                s.received += 1
+                s.bytes_received += result.nbytes
+            s.seconds += result.seconds
+        else:
+            s.failed += 1
+        s.records.append(TransferRecord(result.request_id, side, result.state.name,
+                                        result.nbytes, result.seconds, result.reason))

@@ -1,0 +1,206 @@
+"""A worker's driver: runs the executor's step loop on its own thread and gives the outside
+(Ray actor methods, or an RPC server in tests) a thread-safe API.
+
+Everything that touches the executor runs on the loop thread: submissions and aborts are
+commands queued to it. KV control messages the executor emits (its transceiver's outbox) are
+delivered on a small thread pool through ``deliver(ctx_worker_id, payload) -> reply``, and
+replies go back through the transceiver's thread-safe inbox. A failed delivery fails the
+transfer at once instead of letting it run into its deadline.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from pdserve.scheduler import LlmRequest
+from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
+
+from .executor import Executor, RequestUpdate
+from .sampling import SamplingParams
+
+log = logging.getLogger("pdserve.worker_loop")
+
+Deliver = Callable[[str, bytes], "bytes | None"]
+
+
+class RequestStream:
+    """The updates of one request, in order; ``get`` waits with a deadline."""
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self._queue: queue.Queue[RequestUpdate] = queue.Queue()
+        self.finished = False
+
+    def put(self, update: RequestUpdate) -> None:
+        self._queue.put(update)
+
+    def get(self, timeout: float) -> RequestUpdate:
+        try:
+            update = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"request {self.request_id}: no update within {timeout:.1f} s") from None
+        if update.finished:
+            self.finished = True
+        return update
+
+    def collect(self, timeout: float) -> list[RequestUpdate]:
+        """Every update until the finishing one (each wait bounded by ``timeout``)."""
+        out = []
+        while not self.finished:
+            out.append(self.get(timeout))
+        return out
+
+
+class WorkerLoop:
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        name: str = "worker",
+        deliver: Deliver | None = None,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.executor = executor
+        self.name = name
+        self.deliver = deliver
+        self.idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}
+        self._stop = threading.Event()
+        self._control = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-kv-control")
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self.loop_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "WorkerLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self._control.shutdown(wait=False, cancel_futures=True)
+        if self.executor.transceiver is not None:
+            self.executor.transceiver.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.loop_error is None
+
+    # ------------------------------------------------------------------ thread-safe API
+
+    def submit(self, request: LlmRequest, params: SamplingParams, timeout_s: float = 30.0) -> RequestStream:
+        """Queue a request; raises ValueError (from validation) synchronously."""
+        stream = RequestStream(request.request_id)
+
+        def add() -> None:
+            self.executor.add_request(request, params)
+            self._streams[request.request_id] = stream
+
+        self._call(add, timeout_s)
+        return stream
+
+    def abort(self, request_id: int, timeout_s: float = 30.0) -> bool:
+        def do() -> bool:
+            update = self.executor.abort(request_id)
+            if update is None:
+                return False
+            self._dispatch([update])
+            return True
+
+        return bool(self._call(do, timeout_s))
+
+    def status(self, timeout_s: float = 30.0) -> dict:
+        return self._call(self.executor.status, timeout_s)  # type: ignore[return-value]
+
+    def handle_kv_control(self, payload: bytes) -> bytes | None:
+        """Context side, on the caller's thread: a KV request (answered once the send is over)
+        or a cancel. The transport's sessions are thread-safe."""
+        transceiver = self.executor.transceiver
+        if transceiver is None or transceiver.sender is None:
+            raise RuntimeError(f"{self.name} has no KV sender")
+        return transceiver.sender.handle(payload)
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _call(self, fn: Callable[[], object], timeout_s: float) -> object:
+        if not self.alive:
+            raise RuntimeError(f"{self.name} loop is not running: {self.loop_error!r}")
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future.result(timeout=timeout_s)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.executor.has_work)
+                if self.executor.has_work:
+                    updates = self.executor.step()
+                    self._dispatch(updates)
+                    self._flush_outbox()
+                    if not updates and not self.executor.active and not self.executor.waiting:
+                        # Only transfers are pending: poll them gently, not in a busy loop.
+                        self._drain_commands(block=True, wait_s=0.002)
+        except BaseException as exc:  # the worker is broken: say so to every waiter
+            self.loop_error = exc
+            log.exception("%s loop died", self.name)
+            for stream in self._streams.values():
+                stream.put(RequestUpdate(stream.request_id, [], True, "error", None, f"worker loop died: {exc!r}"))
+            self._streams.clear()
+            while True:
+                try:
+                    _, future = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                future.set_exception(RuntimeError(f"{self.name} loop died: {exc!r}"))
+
+    def _drain_commands(self, block: bool, wait_s: float | None = None) -> None:
+        timeout = (self.idle_wait_s if wait_s is None else wait_s) if block else 0.0
+        while True:
+            try:
+                fn, future = self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            timeout = 0.0
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # reported to the caller, the loop goes on
+                future.set_exception(exc)
+
+    def _dispatch(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is None:
+                continue
+            stream.put(update)
+            if update.finished:
+                del self._streams[update.request_id]
+
+    def _flush_outbox(self) -> None:
+        transceiver = self.executor.transceiver
+        if transceiver is None:
+            return
+        while True:
+            try:
+                ctx_worker_id, payload = transceiver.outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._control.submit(self._deliver_one, ctx_worker_id, payload)
+
+    def _deliver_one(self, ctx_worker_id: str, payload: bytes) -> None:
+        transceiver = self.executor.transceiver
+        try:
+            if self.deliver is None:
+                raise RuntimeError("no control plane to reach context workers")
+            transceiver.deliver_reply(self.deliver(ctx_worker_id, payload))
+        except Exception as exc:
+            msg = decode_message(payload)
+            log.warning("%s: KV control message to %s failed: %r", self.name, ctx_worker_id, exc)
+            if isinstance(msg, KVRequest):  # fail the receive now rather than at its deadline
+                done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                    f"control plane to {ctx_worker_id}: {exc!r}", 0, 0.0)
+                transceiver.deliver_reply(encode_message(done))
