@@ -52,6 +52,8 @@ class RequestUpdate(NamedTuple):
     finish_reason: str | None
     context_phase_params: ContextPhaseParams | None = None
     error: str | None = None
+    # On the finishing update: pauses, KV bytes/seconds received, prompt tokens served from cache.
+    info: dict | None = None
 
 
 @dataclass(slots=True)
@@ -369,16 +371,25 @@ class Executor:
             # Context-only: the slot is freed now, the blocks stay leased for the generation side.
             self.active.remove(request)
             del self.tracked[request.request_id]
+            info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token)
-            return RequestUpdate(request.request_id, new, True, "length", params)
+            return RequestUpdate(request.request_id, new, True, "length", params, None, info)
         if reason is None:
             return RequestUpdate(request.request_id, new, False, None)
         tracked.finish_reason = reason
         self.active.remove(request)
         del self.tracked[request.request_id]
+        info = self._request_info(request)
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
-        return RequestUpdate(request.request_id, new, True, reason)
+        return RequestUpdate(request.request_id, new, True, reason, None, None, info)
+
+    def _request_info(self, request: LlmRequest) -> dict:
+        nbytes, seconds = 0, 0.0
+        if self.transceiver is not None:
+            nbytes, seconds = self.transceiver.received.pop(request.request_id, (0, 0.0))
+        return {"pauses": request.num_pauses, "kv_transfer_bytes": nbytes,
+                "kv_transfer_seconds": seconds, "cached_tokens": request.prepopulated_prompt_len}
 
 
 def _count(items) -> dict[str, int]:

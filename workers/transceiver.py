@@ -75,6 +75,8 @@ class KVTransceiver:
         self.transmitting: dict[int, LlmRequest] = {}
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
         self.draining: dict[int, LlmRequest] = {}
+        # Generation side: request id -> (bytes, seconds) of its completed receive, until finish.
+        self.received: dict[int, tuple[int, float]] = {}
         # (ctx worker id, encoded control message) for the driver to deliver; replies come back
         # through ``deliver_reply`` from any thread.
         self.outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -166,6 +168,7 @@ class KVTransceiver:
                 continue
             if result.ok:
                 request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
+                self.received[request.request_id] = (result.nbytes, result.seconds)
                 if kv.enable_block_reuse:
                     # The received prompt blocks serve later requests' prefixes too.
                     kv.store_context_blocks(request)

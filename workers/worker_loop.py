@@ -62,8 +62,10 @@ class WorkerLoop:
         name: str = "worker",
         deliver: Deliver | None = None,
         idle_wait_s: float = 0.05,
+        on_step: Callable[[list[RequestUpdate]], None] | None = None,
     ) -> None:
         self.executor = executor
+        self.on_step = on_step  # e.g. metrics; runs on the loop thread after every step
         self.name = name
         self.deliver = deliver
         self.idle_wait_s = idle_wait_s
@@ -141,6 +143,8 @@ class WorkerLoop:
                 if self.executor.has_work:
                     updates = self.executor.step()
                     self._dispatch(updates)
+                    if self.on_step is not None:
+                        self.on_step(updates)
                     self._flush_outbox()
                     if not updates and not self.executor.active and not self.executor.waiting:
                         # Only transfers are pending: poll them gently, not in a busy loop.

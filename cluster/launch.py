@@ -1,0 +1,221 @@
+"""Start or join a Ray cluster and bring pdserve up on it: a placement group for the workers
+(pack or spread), named worker actors (``pdserve-ctx-<i>``, ``pdserve-gen-<i>``) on GPUs where
+there are GPUs, and the router actor (``pdserve-router``) serving gRPC.
+
+Ray binds to 127.0.0.1 when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set (the embedded default
+sets it). Shutting down kills only pdserve's own actors, never the Ray cluster it joined.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .router import RouterConfig
+
+log = logging.getLogger("pdserve.launch")
+
+NAMESPACE = "pdserve"
+ROUTER_NAME = "pdserve-router"
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str | None = None  # local HF-format directory; None: the built-in tiny model
+    num_context_workers: int = 1
+    num_generation_workers: int = 1
+    engine: dict[str, Any] = field(default_factory=dict)  # engine kwargs for every worker
+    context_engine: dict[str, Any] = field(default_factory=dict)  # overrides per role
+    generation_engine: dict[str, Any] = field(default_factory=dict)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    placement: str = "pack"  # or "spread"
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    torch_threads: int = 1
+    metrics: bool = True
+    stall_send_s: float = 0.0  # test hook for fault injection on the context workers
+
+    def __post_init__(self) -> None:
+        if self.num_generation_workers < 1:
+            raise ValueError("num_generation_workers must be >= 1")
+        if self.num_context_workers < 0:
+            raise ValueError("num_context_workers must be >= 0")
+        if self.placement not in ("pack", "spread"):
+            raise ValueError(f"placement must be pack or spread, got {self.placement!r}")
+
+
+def builtin_model_dir() -> Path:
+    """The built-in tiny model: written once (deterministically) into a cache folder."""
+    from pdserve.workers.tiny_model import make_tiny_model
+
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    path = root / "tiny-llama-h128-l4-v259"
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        vocab_size=259, max_position_embeddings=2048, seed=0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race; theirs is identical
+            pass
+    return path
+
+
+def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
+    """Connect to ``address`` or start an embedded local cluster. Returns True when this call
+    started Ray (the caller then owns it and may ``ray.shutdown()``)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        return False
+    ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
+             dashboard_host="127.0.0.1", log_to_driver=False)
+    return True
+
+
+@dataclass
+class Cluster:
+    router: Any
+    workers: dict[str, Any]
+    port: int
+    model_dir: Path
+    placement_group: Any
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.router.stop.remote(), timeout=30)
+        except Exception:
+            pass
+        for handle in [self.router, *self.workers.values()]:
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+
+
+def launch(cfg: LaunchConfig) -> Cluster:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from pdserve.workers.context_worker import ContextWorker
+    from pdserve.workers.generation_worker import GenerationWorker
+
+    model_dir = Path(cfg.model) if cfg.model else builtin_model_dir()
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    roles = [("ctx", i, ContextWorker, cfg.context_engine) for i in range(cfg.num_context_workers)]
+    roles += [("gen", i, GenerationWorker, cfg.generation_engine) for i in range(cfg.num_generation_workers)]
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    pg = placement_group([dict(bundle) for _ in roles],
+                         strategy="PACK" if cfg.placement == "pack" else "SPREAD",
+                         name="pdserve-workers")
+    ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+
+    workers: dict[str, Any] = {}
+    for index, (prefix, i, cls, overrides) in enumerate(roles):
+        worker_id = f"{prefix}-{i}"
+        engine = {**cfg.engine, **overrides}
+        if use_gpu:
+            engine.setdefault("device", "cuda")
+        options = dict(
+            name=f"pdserve-{worker_id}", namespace=NAMESPACE, max_restarts=0,
+            max_concurrency=256, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        )
+        kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
+                      torch_threads=cfg.torch_threads, metrics=cfg.metrics)
+        if prefix == "ctx":
+            kwargs["stall_send_s"] = cfg.stall_send_s
+        workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
+    infos = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()], timeout=READY_TIMEOUT_S)))
+
+    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote()
+    port = ray.get(router.start.remote(dataclasses.asdict(cfg.router), infos, str(model_dir), cfg.metrics),
+                   timeout=READY_TIMEOUT_S)
+    log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d",
+             cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port)
+    return Cluster(router, workers, port, model_dir, pg)
+
+
+def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
+    """Kill every pdserve actor in ``namespace`` (and nothing else). Returns their names."""
+    import ray
+    from ray.util.state import list_actors
+
+    killed = []
+    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
+        name = actor.name or ""
+        if name.startswith("pdserve-") and (actor.ray_namespace in (None, namespace)):
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace))
+                killed.append(name)
+            except ValueError:
+                pass
+    return killed
+
+
+def _router_actor_class():
+    import ray
+
+    @ray.remote
+    class RouterActor:
+        """Hosts the grpc.aio server on this async actor's event loop."""
+
+        def __init__(self) -> None:
+            self.router = None
+
+        async def start(self, router_cfg: dict, infos: dict, model_dir: str, metrics: bool) -> int:
+            from pdserve.workers.loader import load_tokenizer
+
+            from .router import Router
+
+            cfg = RouterConfig(**{**router_cfg, "agent_types": tuple(router_cfg.get("agent_types") or ())})
+            handles = {w: ray.get_actor(f"pdserve-{w}", namespace=NAMESPACE) for w in infos}
+            router_metrics = None
+            if metrics:
+                from pdserve.cluster.metrics import RouterMetrics
+
+                router_metrics = RouterMetrics()
+            self.router = Router(cfg, handles, infos, load_tokenizer(model_dir), metrics=router_metrics)
+            return await self.router.start()
+
+        async def stop(self) -> None:
+            if self.router is not None:
+                await self.router.stop()
+
+        async def dispatch_log(self) -> list[str]:
+            return list(self.router.dispatch_log)
+
+        async def port(self) -> int:
+            return self.router.port
+
+    return RouterActor
+
+
+class _LazyRouterActor:
+    """The router actor class is built on first use so importing this module needs no Ray."""
+
+    _cls = None
+
+    def options(self, **kwargs):
+        if _LazyRouterActor._cls is None:
+            _LazyRouterActor._cls = _router_actor_class()
+        return _LazyRouterActor._cls.options(**kwargs)
+
+
+RouterActor = _LazyRouterActor()

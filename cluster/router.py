@@ -1,0 +1,543 @@
+"""The gRPC router (grpc.aio): validates and admits requests into a bounded queue, orders the
+queue each dispatch round with the agent-tree policy (plus priority), picks a context and a
+generation worker, runs the context_first flow over Ray actor calls and streams tokens back.
+
+Flow per request (DESIGN.md "Request lifecycle"): a context-only copy (max_tokens 1) goes to a
+context worker; its last update carries the first token and the context-phase params; the first
+token is streamed at once; a generation-only request with those params goes to a generation
+worker, which reserves KV, receives it and decodes. Short uncached prompts skip the context
+worker (conditional disaggregation). A failed attempt is retried on another pair or prefilled
+locally on a generation worker, continuing after the tokens the client already has.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.cluster import policies as P
+from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb, router_pb2_grpc, spec_from_proto
+from pdserve.scheduler import AgentTreePolicy, LlmRequest, insert_request_in_order
+
+log = logging.getLogger("pdserve.router")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    context_policy: str = "round_robin"
+    max_local_prefill_length: int | None = None  # conditional disaggregation off by default
+    max_queue: int = 1024
+    max_inflight: int | None = None  # default: the generation workers' batch sizes summed
+    max_retries: int = 2
+    worker_call_timeout_s: float = 30.0  # every single worker call or update wait
+    default_deadline_s: float = 600.0
+    status_refresh_s: float = 0.5
+    max_message_bytes: int = 4 << 20
+    agent_percentage: float | None = None  # agent tree off unless agent types are given
+    agent_types: tuple[str, ...] = ()
+    agent_inflight_seq_num: int | None = None
+
+
+class WorkerFailure(RuntimeError):
+    """A worker call failed (actor died, timed out, or the transfer failed)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    internal_id: int
+    external_id: str
+    spec: P.GenerateSpec
+    prompt: list[int]
+    sampling: dict[str, Any]
+    queue_entry: LlmRequest  # the reorder policies' view of this request
+    received: float
+    deadline: float
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    streamed: list[int] = field(default_factory=list)
+    attempts: list[tuple[str, int]] = field(default_factory=list)  # (worker id, attempt id) live
+    dispatched: float | None = None
+    first_token: float | None = None
+    ctx_worker: str = ""
+    gen_worker: str = ""
+    retries: int = 0
+    local_prefill: bool = False
+    kv_bytes: int = 0
+    kv_seconds: float = 0.0
+    pauses: int = 0
+    cached_tokens: int = 0
+    cancelled: bool = False
+    task: asyncio.Task | None = None
+
+
+class Router(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self,
+        config: RouterConfig,
+        workers: dict[str, Any],  # worker id -> Ray actor handle
+        infos: dict[str, dict[str, Any]],  # worker id -> WorkerActorBase.info()
+        tokenizer,
+        metrics=None,
+    ) -> None:
+        self.config = config
+        self.workers = workers
+        self.infos = infos
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.ctx_ids = sorted(w for w, i in infos.items() if i["role"] == "context")
+        self.gen_ids = sorted(w for w, i in infos.items() if i["role"] == "generation")
+        if not self.gen_ids:
+            raise ValueError("the router needs at least one generation worker")
+        first = infos[self.gen_ids[0]]
+        self.tokens_per_block = first["tokens_per_block"]
+        self.limits = P.ValidationLimits(
+            vocab_size=first["vocab_size"],
+            max_input_len=min(i["max_input_len"] for i in infos.values()),
+            max_seq_len=min(i["max_seq_len"] for i in infos.values()),
+        )
+        self.context_policy = P.make_policy(config.context_policy, P.WorkerRole.CONTEXT)
+        self.generation_policy = P.make_policy("least_loaded", P.WorkerRole.GENERATION)
+        self.max_inflight = config.max_inflight or sum(infos[g]["max_batch_size"] for g in self.gen_ids)
+        self.reorder = (
+            AgentTreePolicy(config.agent_percentage, list(config.agent_types),
+                            config.agent_inflight_seq_num)
+            if config.agent_types else None
+        )
+        self.loads: dict[str, P.WorkerLoad] = {
+            w: P.WorkerLoad(w, P.WorkerRole.CONTEXT if i["role"] == "context" else P.WorkerRole.GENERATION,
+                            free_kv_blocks=i["num_kv_blocks"], total_kv_blocks=i["num_kv_blocks"],
+                            max_batch_size=i["max_batch_size"])
+            for w, i in infos.items()
+        }
+        self.waiting: list[LlmRequest] = []
+        self.requests: dict[int, _Request] = {}  # internal id -> request (queued or running)
+        self.by_external: dict[str, int] = {}
+        self.inflight = 0
+        self.dispatch_log: list[str] = []  # external ids in dispatch order (most recent 1,000)
+        self.totals = {k: 0 for k in ("received", "completed", "failed", "aborted", "rejected",
+                                      "retries", "remote_prefills", "local_prefills")}
+        self._ids = itertools.count(1)
+        self._attempt_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+
+    # ------------------------------------------------------------------ server
+
+    async def start(self) -> int:
+        opts = [("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes)]
+        self.server = grpc.aio.server(options=opts)
+        router_pb2_grpc.add_RouterServicer_to_server(self, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [ROUTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self.health.set(ROUTER_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks = [asyncio.create_task(self._dispatch_loop()),
+                       asyncio.create_task(self._refresh_loop())]
+        log.info("router serving on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request, context):
+        now = time.monotonic()
+        try:
+            spec = spec_from_proto(request)
+            P.validate_generate_spec(spec, self.limits)
+            prompt = self._prompt_ids(spec)
+        except P.ValidationError as exc:
+            self.totals["rejected"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        external = spec.request_id or uuid.uuid4().hex
+        if external in self.by_external:
+            self.totals["rejected"] += 1
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {external!r} is already in flight")
+        if len(self.waiting) >= self.config.max_queue:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"router queue is full ({self.config.max_queue} waiting)")
+        budget = self.config.default_deadline_s
+        if spec.deadline_ms is not None:
+            budget = min(budget, spec.deadline_ms / 1000.0)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, remaining)
+        internal = next(self._ids)
+        entry = LlmRequest(internal, prompt, spec.max_tokens, priority=spec.priority,
+                           agent_hierarchy=list(spec.agent_hierarchy) or None)
+        req = _Request(internal, external, spec, prompt, _sampling(spec), entry, now, now + budget)
+        self.requests[internal] = req
+        self.by_external[external] = internal
+        self.totals["received"] += 1
+        insert_request_in_order(self.waiting, entry)
+        self._observe_queue()
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                left = req.deadline - time.monotonic()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                item = await asyncio.wait_for(req.out.get(), timeout=left)
+                if isinstance(item, grpc.StatusCode):
+                    code, message = item, await req.out.get()
+                    await context.abort(code, message)
+                yield item
+                if item.finish_reason:
+                    finished = True
+                    return
+        except asyncio.TimeoutError:
+            self._cancel(req, "deadline")
+            self.totals["failed"] += 1
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {external!r} did not finish within its deadline")
+        finally:
+            if not finished and not req.cancelled:
+                self._cancel(req, "client went away")  # also the path for client cancellation
+            self._forget(req)
+
+    def _prompt_ids(self, spec: P.GenerateSpec) -> list[int]:
+        if spec.token_ids is not None:
+            return list(spec.token_ids)
+        ids = self.tokenizer.encode(spec.text, add_special_tokens=False).ids
+        if not ids:
+            raise P.ValidationError("prompt.text", "encodes to no tokens")
+        if self.limits.max_input_len is not None and len(ids) > self.limits.max_input_len:
+            raise P.ValidationError("prompt.text", f"{len(ids)} tokens exceed max_input_len "
+                                                   f"{self.limits.max_input_len}")
+        if self.limits.max_seq_len is not None and len(ids) + spec.max_tokens > self.limits.max_seq_len:
+            raise P.ValidationError("sampling.max_tokens", f"prompt ({len(ids)}) + max_tokens "
+                                                           f"exceeds max_seq_len {self.limits.max_seq_len}")
+        return ids
+
+    # ------------------------------------------------------------------ Abort / status
+
+    async def Abort(self, request, context):
+        internal = self.by_external.get(request.request_id)
+        if internal is None:
+            return pb.AbortResponse(aborted=False, detail=f"no request {request.request_id!r} in flight")
+        req = self.requests[internal]
+        self._cancel(req, "aborted by client")
+        self.totals["aborted"] += 1
+        await req.out.put(self._final(req, [], "abort"))
+        return pb.AbortResponse(aborted=True, detail="aborted")
+
+    async def GetClusterStatus(self, request, context):
+        statuses = await asyncio.gather(*(self._worker_status(w) for w in sorted(self.workers)))
+        totals = pb.RouterTotals(in_flight=self.inflight, **self.totals)
+        return pb.ClusterStatus(workers=statuses, router_queue_depth=len(self.waiting), totals=totals,
+                                context_policy=self.config.context_policy,
+                                generation_policy="least_loaded")
+
+    async def _worker_status(self, worker_id: str):
+        role = pb.WORKER_ROLE_CONTEXT if self.infos[worker_id]["role"] == "context" else pb.WORKER_ROLE_GENERATION
+        try:
+            s = await asyncio.wait_for(self.workers[worker_id].status.remote(), self.config.worker_call_timeout_s)
+        except Exception as exc:
+            return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=False,
+                                   invariant_violations=[f"status call failed: {exc!r}"])
+        t = s.get("transfers") or {}
+        return pb.WorkerStatus(
+            worker_id=worker_id, role=role, healthy=bool(s.get("healthy", True)),
+            requests_by_state=s["requests_by_state"], free_kv_blocks=s["free_blocks"],
+            total_kv_blocks=s["total_blocks"], queue_depth=s["queue_depth"], pauses=s["pauses"],
+            quarantined_blocks=s["quarantined_blocks"],
+            transfers=pb.TransferStats(count=t.get("sent", 0) + t.get("received", 0),
+                                       bytes=t.get("bytes_sent", 0) + t.get("bytes_received", 0),
+                                       seconds=t.get("seconds", 0.0), outcomes=t.get("outcomes", {})),
+            invariant_violations=s["violations"], active_requests=s["num_active"],
+            max_batch_size=s["max_batch_size"], tokens_per_block=s["tokens_per_block"],
+        )
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.waiting and self.inflight < self.max_inflight:
+                order = self.reorder.reorder(self.waiting) if self.reorder is not None else self.waiting
+                if not order:
+                    break
+                entry = order[0]
+                self.waiting.remove(entry)
+                req = self.requests.get(entry.request_id)
+                if req is None or req.cancelled:
+                    continue
+                self.inflight += 1
+                req.dispatched = time.monotonic()
+                self.dispatch_log.append(req.external_id)
+                del self.dispatch_log[:-1000]
+                req.task = asyncio.create_task(self._run(req))
+            self._observe_queue()
+
+    async def _run(self, req: _Request) -> None:
+        failed: set[tuple[str | None, str]] = set()
+        try:
+            prompt_info = P.PromptInfo.from_tokens(req.prompt, self.tokens_per_block)
+            plan = self._first_plan(req, prompt_info)
+            while True:
+                if plan.action == P.RetryAction.GIVE_UP:
+                    await self._fail(req, grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {plan.reason}")
+                    return
+                try:
+                    if plan.action == P.RetryAction.PAIR:
+                        await self._remote(req, plan.ctx_worker, plan.gen_worker)
+                    else:
+                        await self._local(req, plan.gen_worker)
+                    return
+                except WorkerFailure as exc:
+                    if req.cancelled:
+                        return
+                    log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
+                                plan.ctx_worker, plan.gen_worker, exc)
+                    failed.add((plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker))
+                    plan = P.plan_retry(failed, list(self.loads.values()), prompt_info,
+                                        retries_used=req.retries, max_retries=self.config.max_retries,
+                                        context_policy=self.context_policy,
+                                        generation_policy=self.generation_policy,
+                                        mode=P.DisaggregationMode(req.spec.disaggregation))
+                    if plan.action != P.RetryAction.GIVE_UP:
+                        req.retries += 1
+                        self.totals["retries"] += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a router bug must not leave the client waiting
+            log.exception("request %s failed in the router", req.external_id)
+            await self._fail(req, grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
+        finally:
+            self.inflight -= 1
+            self._wake.set()
+
+    def _first_plan(self, req: _Request, prompt_info: P.PromptInfo) -> P.RetryPlan:
+        loads = list(self.loads.values())
+        gen = self.generation_policy.select(loads, prompt_info)
+        if gen is None:
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker")
+        ctx = self.context_policy.select(loads, prompt_info) if self.ctx_ids else None
+        try:
+            decision = P.decide_prefill(P.DisaggregationMode(req.spec.disaggregation), len(req.prompt),
+                                        gen.matched_tokens, self.config.max_local_prefill_length,
+                                        context_available=ctx is not None)
+        except P.NoWorkerAvailable as exc:
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, str(exc))
+        if decision.route == P.PrefillRoute.REMOTE:
+            return P.RetryPlan(P.RetryAction.PAIR, ctx.worker_id, gen.worker_id, decision.reason)
+        return P.RetryPlan(P.RetryAction.LOCAL_PREFILL, None, gen.worker_id, decision.reason)
+
+    async def _remote(self, req: _Request, ctx_id: str, gen_id: str) -> None:
+        req.ctx_worker, req.gen_worker, req.local_prefill = ctx_id, gen_id, False
+        self.totals["remote_prefills"] += 1
+        prompt, max_tokens = self._continuation(req)
+        ctx_wire = self._wire(req, prompt, 1, "CONTEXT_ONLY")
+        last = None
+        async for update in self._stream(req, ctx_id, ctx_wire):
+            last = update
+        if last is None or last["finish_reason"] == "error":
+            raise WorkerFailure(f"context worker {ctx_id}: {last and last.get('error')}")
+        if last["finish_reason"] == "abort":
+            return
+        first = last["new_token_ids"]
+        cpp = last["context_phase_params"]
+        done_now = cpp is None or max_tokens <= len(first)
+        await self._emit(req, first, last["finish_reason"] if done_now else None, last.get("info"))
+        if done_now:
+            return
+        gen_wire = self._wire(req, prompt, max_tokens, "GENERATION_ONLY")
+        gen_wire["context_phase_params"] = cpp
+        await self._decode(req, gen_id, gen_wire)
+
+    async def _local(self, req: _Request, gen_id: str) -> None:
+        req.ctx_worker, req.gen_worker, req.local_prefill = "", gen_id, True
+        self.totals["local_prefills"] += 1
+        prompt, max_tokens = self._continuation(req)
+        await self._decode(req, gen_id, self._wire(req, prompt, max_tokens, "CONTEXT_AND_GENERATION"))
+
+    async def _decode(self, req: _Request, gen_id: str, wire: dict[str, Any]) -> None:
+        async for update in self._stream(req, gen_id, wire):
+            reason = update["finish_reason"]
+            if reason == "error":
+                raise WorkerFailure(f"generation worker {gen_id}: {update.get('error')}")
+            if reason == "abort":
+                return
+            await self._emit(req, update["new_token_ids"], reason, update.get("info"))
+
+    async def _stream(self, req: _Request, worker_id: str, wire: dict[str, Any]):
+        """A worker's updates for one attempt; every wait bounded by the worker call timeout
+        and the request's deadline. Actor death or a timeout is a WorkerFailure."""
+        attempt = wire["request_id"]
+        req.attempts.append((worker_id, attempt))
+        handle = self.workers[worker_id]
+        try:
+            gen = handle.generate.remote(wire)
+            while True:
+                timeout = min(self.config.worker_call_timeout_s, max(0.001, req.deadline - time.monotonic()))
+                try:
+                    ref = await asyncio.wait_for(gen.__anext__(), timeout)
+                    update = await asyncio.wait_for(ref, timeout)
+                except StopAsyncIteration:
+                    return
+                yield update
+                if update["finished"]:
+                    return
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            self._abort_attempt(worker_id, attempt)
+            raise WorkerFailure(f"{worker_id} gave no update in time") from exc
+        except asyncio.CancelledError:
+            raise
+        except WorkerFailure:
+            raise
+        except Exception as exc:  # RayActorError, RayTaskError, ...
+            self._mark_unhealthy(worker_id)
+            raise WorkerFailure(f"{worker_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if (worker_id, attempt) in req.attempts:
+                req.attempts.remove((worker_id, attempt))
+
+    def _continuation(self, req: _Request) -> tuple[list[int], int]:
+        """A retry continues after what the client already has: streamed tokens join the prompt."""
+        return req.prompt + req.streamed, req.spec.max_tokens - len(req.streamed)
+
+    def _wire(self, req: _Request, prompt: list[int], max_tokens: int, kind: str) -> dict[str, Any]:
+        sampling = dict(req.sampling, max_tokens=max_tokens)
+        return {"request_id": next(self._attempt_ids), "prompt": prompt, "max_new_tokens": max_tokens,
+                "priority": req.spec.priority, "type": kind,
+                "agent_hierarchy": list(req.spec.agent_hierarchy) or None, "sampling": sampling}
+
+    async def _emit(self, req: _Request, tokens: list[int], finish_reason: str | None, info) -> None:
+        now = time.monotonic()
+        if tokens and req.first_token is None:
+            req.first_token = now
+            if self.metrics is not None:
+                self.metrics.observe_ttft(now - req.received)
+        if info:
+            req.pauses += info.get("pauses", 0)
+            req.kv_bytes += info.get("kv_transfer_bytes", 0)
+            req.kv_seconds += info.get("kv_transfer_seconds", 0.0)
+            req.cached_tokens = max(req.cached_tokens, info.get("cached_tokens", 0))
+        req.streamed.extend(tokens)
+        if finish_reason is None:
+            if tokens:
+                await req.out.put(pb.GenerateResponse(request_id=req.external_id, token_ids=tokens,
+                                                      text=self._text_delta(req, len(tokens))))
+            return
+        self.totals["completed"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_request("completed", now - req.received)
+        await req.out.put(self._final(req, tokens, finish_reason))
+
+    def _text_delta(self, req: _Request, n_new: int) -> str:
+        full = self.tokenizer.decode(req.streamed, skip_special_tokens=True)
+        before = self.tokenizer.decode(req.streamed[:-n_new], skip_special_tokens=True) if n_new else full
+        return full[len(before):] if full.startswith(before) else full
+
+    def _final(self, req: _Request, tokens: list[int], finish_reason: str):
+        now = time.monotonic()
+        timings = pb.Timings(
+            queue_ms=1000 * ((req.dispatched or now) - req.received),
+            ttft_ms=1000 * ((req.first_token or now) - req.received),
+            e2e_ms=1000 * (now - req.received), kv_transfer_bytes=req.kv_bytes,
+            kv_transfer_ms=1000 * req.kv_seconds, pauses=req.pauses, ctx_worker=req.ctx_worker,
+            gen_worker=req.gen_worker, retries=req.retries, local_prefill=req.local_prefill)
+        usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
+                         cached_prompt_tokens=req.cached_tokens)
+        return pb.GenerateResponse(request_id=req.external_id, token_ids=tokens,
+                                   text=self._text_delta(req, len(tokens)) if tokens else "",
+                                   finish_reason=finish_reason, timings=timings, usage=usage)
+
+    async def _fail(self, req: _Request, code: grpc.StatusCode, message: str) -> None:
+        self.totals["failed"] += 1
+        if self.metrics is not None:
+            self.metrics.observe_request("failed", time.monotonic() - req.received)
+        await req.out.put(code)
+        await req.out.put(message)
+
+    # ------------------------------------------------------------------ cancellation
+
+    def _cancel(self, req: _Request, why: str) -> None:
+        if req.cancelled:
+            return
+        req.cancelled = True
+        if req.queue_entry in self.waiting:
+            self.waiting.remove(req.queue_entry)
+        for worker_id, attempt in list(req.attempts):
+            self._abort_attempt(worker_id, attempt)
+        if req.task is not None and not req.task.done():
+            req.task.cancel()
+        log.info("request %s cancelled: %s", req.external_id, why)
+
+    def _abort_attempt(self, worker_id: str, attempt: int) -> None:
+        try:
+            self.workers[worker_id].abort.remote(attempt)  # fire and forget; the worker frees it
+        except Exception:  # the actor is gone: nothing left to free there
+            pass
+
+    def _forget(self, req: _Request) -> None:
+        self.requests.pop(req.internal_id, None)
+        if self.by_external.get(req.external_id) == req.internal_id:
+            del self.by_external[req.external_id]
+
+    # ------------------------------------------------------------------ worker loads
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.status_refresh_s)
+            await self.refresh_loads()
+
+    async def refresh_loads(self) -> None:
+        async def one(worker_id: str) -> None:
+            handle = self.workers[worker_id]
+            try:
+                s = await asyncio.wait_for(handle.status.remote(), self.config.worker_call_timeout_s)
+                hashes = frozenset()
+                if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
+                    hashes = frozenset(await asyncio.wait_for(handle.cached_block_hashes.remote(),
+                                                              self.config.worker_call_timeout_s))
+            except Exception:
+                self._mark_unhealthy(worker_id)
+                return
+            old = self.loads[worker_id]
+            self.loads[worker_id] = P.WorkerLoad(
+                worker_id, old.role, active_requests=s["num_active"] + s["queue_depth"],
+                queued_prompt_tokens=0, free_kv_blocks=s["free_blocks"], total_kv_blocks=s["total_blocks"],
+                max_batch_size=s["max_batch_size"], healthy=bool(s.get("healthy", True)),
+                cached_block_hashes=hashes)
+
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    def _mark_unhealthy(self, worker_id: str) -> None:
+        old = self.loads.get(worker_id)
+        if old is not None and old.healthy:
+            self.loads[worker_id] = P.WorkerLoad(worker_id, old.role, healthy=False,
+                                                 max_batch_size=old.max_batch_size)
+
+    def _observe_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_queue_depth(len(self.waiting))
+
+
+def _sampling(spec: P.GenerateSpec) -> dict[str, Any]:
+    return {"max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_k": spec.top_k,
+            "top_p": spec.top_p, "seed": spec.seed, "stop_token_ids": tuple(spec.stop_token_ids),
+            "ignore_eos": spec.ignore_eos}

@@ -1,0 +1,36 @@
+"""The context (prefill) worker as a Ray actor: runs context-only requests to the end of their
+prefill and sends their KV to generation workers. Actor name ``pdserve-ctx-<i>``."""
+from __future__ import annotations
+
+import ray
+
+from .actor_base import WorkerActorBase
+
+# Streaming generate() calls occupy a thread each for the request's lifetime, so the default
+# group is wide; KV transfers get their own group so a long send never waits behind them.
+CONCURRENCY_GROUPS = {"transfer": 8, "control": 8}
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+class ContextWorker(WorkerActorBase):
+    role = "context"
+
+    @ray.method(concurrency_group="transfer")
+    def kv_transfer(self, payload: bytes) -> bytes | None:
+        return WorkerActorBase.kv_transfer(self, payload)
+
+    @ray.method(concurrency_group="control")
+    def abort(self, request_id: int) -> bool:
+        return WorkerActorBase.abort(self, request_id)
+
+    @ray.method(concurrency_group="control")
+    def status(self) -> dict:
+        return WorkerActorBase.status(self)
+
+    @ray.method(concurrency_group="control")
+    def cached_block_hashes(self) -> list[int]:
+        return WorkerActorBase.cached_block_hashes(self)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> str:
+        return "pong"

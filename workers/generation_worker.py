@@ -1,0 +1,32 @@
+"""The generation (decode) worker as a Ray actor: reserves KV for generation-only requests at
+DISAGG_GENERATION_INIT, receives it from context workers, decodes and streams tokens; it also
+prefills locally when the router decides a prompt is short enough (conditional disaggregation)
+or falls back after a failed transfer. Actor name ``pdserve-gen-<i>``."""
+from __future__ import annotations
+
+import ray
+
+from .actor_base import WorkerActorBase
+
+CONCURRENCY_GROUPS = {"control": 8}
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
+class GenerationWorker(WorkerActorBase):
+    role = "generation"
+
+    @ray.method(concurrency_group="control")
+    def abort(self, request_id: int) -> bool:
+        return WorkerActorBase.abort(self, request_id)
+
+    @ray.method(concurrency_group="control")
+    def status(self) -> dict:
+        return WorkerActorBase.status(self)
+
+    @ray.method(concurrency_group="control")
+    def cached_block_hashes(self) -> list[int]:
+        return WorkerActorBase.cached_block_hashes(self)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> str:
+        return "pong"
