@@ -1,13 +1,24 @@
 """The ``pdserve`` command line. Each subcommand imports its heavy modules lazily so that
-``pdserve --help`` and the pure subcommands start fast."""
+``pdserve --help`` starts fast."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import os
+import signal
 import sys
+import time
 
 USAGE = """usage: pdserve COMMAND [ARGS]
 
 commands:
-  demo               replay the Azure trace through the schedulers on a simulated worker
+  launch             start (or join) a Ray cluster and serve gRPC: context + generation workers, router
+  generate           send one request to a running router and stream the answer
+  status             print the cluster status (per worker: requests, KV blocks, transfers, pauses)
+  shutdown           kill pdserve's own actors on a Ray cluster (never the cluster itself)
+  demo               the main job on an embedded cluster: a trace burst over gRPC, then a summary
+  demo-scheduler     replay the Azure trace through the schedulers on a simulated worker
   make-tiny-model    write a small random Llama-family model (HF format) to a directory
   bench-scheduler    time one full scheduler step (see bench/scheduler.py)
 
@@ -15,7 +26,220 @@ Run `pdserve COMMAND --help` for a command's options.
 """
 
 
+# ---------------------------------------------------------------------- launch
+
+def _engine_fields():
+    from pdserve.workers.config import EngineConfig
+
+    return dataclasses.fields(EngineConfig)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="local HF-format model directory (default: built-in tiny model)")
+    parser.add_argument("--address", help="join this Ray cluster (e.g. auto); default: embedded local cluster")
+    parser.add_argument("--num-context-workers", type=int, default=None)
+    parser.add_argument("--num-generation-workers", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
+    parser.add_argument("--context-policy", choices=["round_robin", "least_loaded", "kv_cache_aware"])
+    parser.add_argument("--max-local-prefill-length", type=int)
+    parser.add_argument("--placement", choices=["pack", "spread"])
+    parser.add_argument("--max-queue", type=int)
+    parser.add_argument("--max-retries", type=int)
+    parser.add_argument("--agent-types", help="comma-separated agent types for the agent-tree order")
+    parser.add_argument("--agent-percentage", type=float)
+    group = parser.add_argument_group("engine options (every worker)")
+    for f in _engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
+        elif f.type in ("int", "int | None"):
+            group.add_argument(flag, type=int)
+        else:
+            group.add_argument(flag)
+
+
+def launch_config_from_args(args: argparse.Namespace):
+    import yaml
+
+    from pdserve.cluster.launch import LaunchConfig
+    from pdserve.cluster.router import RouterConfig
+
+    data: dict = {}
+    if args.config:
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+    engine = dict(data.get("engine") or {})
+    for f in _engine_fields():
+        value = getattr(args, f.name, None)
+        if value is not None:
+            engine[f.name] = value
+    router = dict(data.get("router") or {})
+    for key in ("context_policy", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage"):
+        value = getattr(args, key, None)
+        if value is not None:
+            router[key] = value
+    if args.agent_types:
+        router["agent_types"] = tuple(t.strip() for t in args.agent_types.split(",") if t.strip())
+    if "agent_types" in router:
+        router["agent_types"] = tuple(router["agent_types"])
+        router.setdefault("agent_percentage", 0.5)
+    if args.port is not None:
+        router["port"] = args.port
+    top = {k: v for k, v in data.items() if k not in ("engine", "router")}
+    for key in ("model", "num_context_workers", "num_generation_workers", "placement"):
+        value = getattr(args, key, None)
+        if value is not None:
+            top[key] = value
+    return LaunchConfig(engine=engine, router=RouterConfig(**router), **top)
+
+
+def _launch(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve launch", description="Serve a model with P/D disaggregation on Ray.")
+    add_launch_arguments(parser)
+    args = parser.parse_args(argv)
+    cfg = launch_config_from_args(args)
+
+    import ray
+
+    from pdserve.cluster.launch import ensure_ray, launch
+
+    owns_ray = ensure_ray(args.address, num_cpus=max(os.cpu_count() or 1,
+                                                     cfg.num_context_workers + cfg.num_generation_workers + 1))
+    cluster = launch(cfg)
+    dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
+    print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "workers": sorted(cluster.workers),
+                      "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir)}), flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"]:
+            time.sleep(1.0)
+            try:  # `pdserve shutdown` from elsewhere kills the router: leave with it
+                ray.get(cluster.router.port.remote(), timeout=30)
+            except Exception:
+                break
+    except KeyboardInterrupt:
+        pass
+    cluster.shutdown()
+    if owns_ray:
+        ray.shutdown()
+    return 0
+
+
+def _dashboard_url() -> str | None:
+    try:
+        import ray
+
+        return ray._private.worker.global_worker.node.address_info.get("webui_url")
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------- client commands
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve generate")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--token-ids", help="comma-separated token ids")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--priority", type=float, default=None)
+    parser.add_argument("--disaggregation", default="AUTO", choices=["AUTO", "ALWAYS", "NEVER"])
+    parser.add_argument("--ignore-eos", action="store_true")
+    args = parser.parse_args(argv)
+
+    import grpc
+
+    from pdserve.cluster.client import Client
+
+    prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t]
+    with Client(f"{args.host}:{args.port}") as client:
+        try:
+            for delta in client.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                                priority=args.priority, disaggregation=args.disaggregation,
+                                                ignore_eos=args.ignore_eos):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                if delta.finish_reason:
+                    t = delta.timings
+                    print(f"\n[finish={delta.finish_reason} tokens={delta.usage.completion_tokens} "
+                          f"ttft={t.ttft_ms:.1f}ms e2e={t.e2e_ms:.1f}ms kv={t.kv_transfer_bytes}B "
+                          f"ctx={t.ctx_worker or '-'} gen={t.gen_worker} pauses={t.pauses}]")
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve status")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from google.protobuf.json_format import MessageToDict
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdserve.cluster.client import Client
+
+    with Client(f"{args.host}:{args.port}") as client:
+        status = client.status()
+    if args.json:
+        print(json.dumps(MessageToDict(status), indent=2))
+        return 0
+    table = Table(title=f"pdserve cluster at {args.host}:{args.port}")
+    for col in ("worker", "role", "healthy", "requests by state", "KV free/total", "queue",
+                "pauses", "transfers", "bytes", "quarantined", "violations"):
+        table.add_column(col)
+    for w in status.workers:
+        states = ", ".join(f"{k}={v}" for k, v in sorted(w.requests_by_state.items())) or "-"
+        table.add_row(w.worker_id, "context" if w.role == 1 else "generation", str(w.healthy), states,
+                      f"{w.free_kv_blocks}/{w.total_kv_blocks}", str(w.queue_depth), str(w.pauses),
+                      str(w.transfers.count), str(w.transfers.bytes), str(w.quarantined_blocks),
+                      "; ".join(w.invariant_violations) or "-")
+    Console().print(table)
+    t = status.totals
+    print(f"router: queue={status.router_queue_depth} in_flight={t.in_flight} received={t.received} "
+          f"completed={t.completed} failed={t.failed} aborted={t.aborted} rejected={t.rejected} "
+          f"retries={t.retries}")
+    return 0
+
+
+def _shutdown(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve shutdown", description="Kill pdserve's actors only.")
+    parser.add_argument("--address", default="auto")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from pdserve.cluster.launch import NAMESPACE, shutdown_all
+
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    killed = shutdown_all()
+    print(f"killed {len(killed)} pdserve actor(s): {', '.join(sorted(killed)) or '-'}")
+    ray.shutdown()  # disconnects this driver; the cluster keeps running
+    return 0
+
+
+# ---------------------------------------------------------------------- the rest
+
 def _demo(argv: list[str]) -> int:
+    from pdserve.cluster.demo import main
+
+    return main(argv)
+
+
+def _demo_scheduler(argv: list[str]) -> int:
     from pdserve.bench.sched_replay import main
 
     return main(argv)
@@ -34,7 +258,12 @@ def _bench_scheduler(argv: list[str]) -> int:
 
 
 COMMANDS = {
+    "launch": _launch,
+    "generate": _generate,
+    "status": _status,
+    "shutdown": _shutdown,
     "demo": _demo,
+    "demo-scheduler": _demo_scheduler,
     "make-tiny-model": _make_tiny_model,
     "bench-scheduler": _bench_scheduler,
 }

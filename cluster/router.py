@@ -287,6 +287,8 @@ class Router(router_pb2_grpc.RouterServicer):
                     continue
                 self.inflight += 1
                 req.dispatched = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.observe_queue_time(req.dispatched - req.received)
                 self.dispatch_log.append(req.external_id)
                 del self.dispatch_log[:-1000]
                 req.task = asyncio.create_task(self._run(req))
@@ -321,6 +323,8 @@ class Router(router_pb2_grpc.RouterServicer):
                     if plan.action != P.RetryAction.GIVE_UP:
                         req.retries += 1
                         self.totals["retries"] += 1
+                        if self.metrics is not None:
+                            self.metrics.count_retries()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a router bug must not leave the client waiting
@@ -349,6 +353,8 @@ class Router(router_pb2_grpc.RouterServicer):
     async def _remote(self, req: _Request, ctx_id: str, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = ctx_id, gen_id, False
         self.totals["remote_prefills"] += 1
+        if self.metrics is not None:
+            self.metrics.count_prefill(local=False)
         prompt, max_tokens = self._continuation(req)
         ctx_wire = self._wire(req, prompt, 1, "CONTEXT_ONLY")
         last = None
@@ -371,6 +377,8 @@ class Router(router_pb2_grpc.RouterServicer):
     async def _local(self, req: _Request, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = "", gen_id, True
         self.totals["local_prefills"] += 1
+        if self.metrics is not None:
+            self.metrics.count_prefill(local=True)
         prompt, max_tokens = self._continuation(req)
         await self._decode(req, gen_id, self._wire(req, prompt, max_tokens, "CONTEXT_AND_GENERATION"))
 
@@ -444,7 +452,8 @@ class Router(router_pb2_grpc.RouterServicer):
             return
         self.totals["completed"] += 1
         if self.metrics is not None:
-            self.metrics.observe_request("completed", now - req.received)
+            self.metrics.count_request("completed")
+            self.metrics.observe_e2e(now - req.received)
         await req.out.put(self._final(req, tokens, finish_reason))
 
     def _text_delta(self, req: _Request, n_new: int) -> str:
@@ -469,7 +478,7 @@ class Router(router_pb2_grpc.RouterServicer):
     async def _fail(self, req: _Request, code: grpc.StatusCode, message: str) -> None:
         self.totals["failed"] += 1
         if self.metrics is not None:
-            self.metrics.observe_request("failed", time.monotonic() - req.received)
+            self.metrics.count_request("failed")
         await req.out.put(code)
         await req.out.put(message)
 
@@ -534,7 +543,8 @@ class Router(router_pb2_grpc.RouterServicer):
 
     def _observe_queue(self) -> None:
         if self.metrics is not None:
-            self.metrics.observe_queue_depth(len(self.waiting))
+            self.metrics.set_queue_depth(len(self.waiting))
+            self.metrics.set_in_flight(self.inflight)
 
 
 def _sampling(spec: P.GenerateSpec) -> dict[str, Any]:

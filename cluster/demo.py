@@ -1,0 +1,155 @@
+"""`make demo`: the main job on an embedded default.
+
+An embedded Ray cluster bound to 127.0.0.1, the built-in tiny model, one context and one
+generation worker and the gRPC router; a burst of requests from the Azure conversation trace
+(a share of them agent requests) sent over gRPC; a small generation KV pool under
+MAX_UTILIZATION so pauses happen. Prints what happened and the dashboard address.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+DEMO_ENGINE = dict(tokens_per_block=16, max_batch_size=16, max_num_tokens=512,
+                   context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64)
+# A generation pool this small cannot hold every decode at once: MAX_UTILIZATION pauses.
+DEMO_GEN_ENGINE = dict(capacity_scheduler_policy="MAX_UTILIZATION", num_kv_blocks=40)
+DEMO_CTX_ENGINE = dict(capacity_scheduler_policy="GUARANTEED_NO_EVICT", num_kv_blocks=256)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _send_all(port: int, work, concurrency: int, deadline_s: float):
+    import grpc
+
+    from pdserve.cluster.client import Client
+    from pdserve.cluster.rpc import router_pb2_grpc
+
+    results = []
+    sem = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def one(i, prompt, max_tokens, hierarchy):
+            req = Client.build_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                       agent_hierarchy=hierarchy, request_id=f"demo-{i}")
+            async with sem:
+                start = time.monotonic()
+                n, last = 0, None
+                try:
+                    async for delta in stub.Generate(req, timeout=deadline_s):
+                        n += len(delta.token_ids)
+                        last = delta
+                except grpc.aio.AioRpcError as exc:
+                    results.append({"id": i, "error": f"{exc.code().name}: {exc.details()}"})
+                    return
+                results.append({"id": i, "tokens": n, "wall_s": time.monotonic() - start,
+                                "timings": last.timings, "agent": bool(hierarchy)})
+
+        await asyncio.gather(*(one(*w) for w in work))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--max-prompt", type=int, default=192)
+    parser.add_argument("--max-output", type=int, default=32)
+    parser.add_argument("--keep-alive", action="store_true", help="leave the cluster up (Ctrl-C ends it)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
+    import ray
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+    from pdserve.cluster.client import Client
+    from pdserve.cluster.launch import LaunchConfig, ensure_ray, launch
+    from pdserve.cluster.router import RouterConfig
+
+    console = Console()
+    t0 = time.monotonic()
+    owns = ensure_ray(num_cpus=max(4, os.cpu_count() or 1))
+    cfg = LaunchConfig(engine=DEMO_ENGINE, context_engine=DEMO_CTX_ENGINE, generation_engine=DEMO_GEN_ENGINE,
+                       router=RouterConfig(port=0, agent_types=("AgentDeepResearch",), agent_percentage=0.5))
+    cluster = launch(cfg)
+    dashboard = ray._private.worker.global_worker.node.address_info.get("webui_url")
+    console.print(f"[bold]pdserve up[/bold] in {time.monotonic() - t0:.1f} s: gRPC 127.0.0.1:{cluster.port}, "
+                  f"workers {', '.join(sorted(cluster.workers))}, model {cluster.model_dir.name}")
+    try:
+        rows = load_trace("azure_llm_2023_conv.csv", args.num_requests)
+        scale = fit_scale(rows, args.max_prompt, args.max_output)
+        work = []
+        for i, row in enumerate(rows):
+            hierarchy = [("AgentDeepResearch", i % 3)] if i % 4 == 3 else []
+            work.append((i, synth_prompt(row, i, scale, vocab=(3, 259)),
+                         min(args.max_output, max(2, row.output_len)), hierarchy))
+        console.print(f"sending {len(work)} requests from the Azure conversation trace "
+                      f"({sum(1 for w in work if w[3])} agent requests), concurrency {args.concurrency}")
+        start = time.monotonic()
+        results = asyncio.run(_send_all(cluster.port, work, args.concurrency, deadline_s=600))
+        wall = time.monotonic() - start
+        with Client(f"127.0.0.1:{cluster.port}") as client:
+            status = client.status()
+    except BaseException:
+        cluster.shutdown()
+        if owns:
+            ray.shutdown()
+        raise
+
+    ok = [r for r in results if "error" not in r]
+    ttft = [r["timings"].ttft_ms for r in ok]
+    tpot = [(r["timings"].e2e_ms - r["timings"].ttft_ms) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    kv_bytes = sum(r["timings"].kv_transfer_bytes for r in ok)
+    kv_ms = sum(r["timings"].kv_transfer_ms for r in ok)
+    table = Table(title="pdserve demo: 1 context + 1 generation worker, tiny model, gRPC router")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("requests sent / completed / failed", f"{len(results)} / {len(ok)} / {len(results) - len(ok)}")
+    table.add_row("output tokens", str(sum(r["tokens"] for r in ok)))
+    table.add_row("wall time", f"{wall:.2f} s ({sum(r['tokens'] for r in ok) / wall:.0f} tok/s)")
+    table.add_row("TTFT p50 / p90 / p99", " / ".join(f"{_pct(ttft, q):.0f}" for q in (0.5, 0.9, 0.99)) + " ms")
+    table.add_row("TPOT p50 / p90 / p99", " / ".join(f"{_pct(tpot, q):.1f}" for q in (0.5, 0.9, 0.99)) + " ms")
+    table.add_row("KV transfers (requests with remote prefill)",
+                  str(sum(1 for r in ok if r["timings"].ctx_worker)))
+    table.add_row("KV bytes moved (sum of per-transfer times)", f"{kv_bytes / 1e6:.2f} MB in {kv_ms:.0f} ms "
+                  f"({(kv_bytes / 1e9) / (kv_ms / 1e3) if kv_ms else 0:.2f} GB/s)")
+    table.add_row("pauses (MAX_UTILIZATION, generation pool)", str(sum(r["timings"].pauses for r in ok)))
+    agent_ttft = [r["timings"].ttft_ms for r in ok if r["agent"]]
+    chat_ttft = [r["timings"].ttft_ms for r in ok if not r["agent"]]
+    if agent_ttft and chat_ttft:
+        table.add_row("TTFT p50 agent / chatbot", f"{statistics.median(agent_ttft):.0f} / "
+                      f"{statistics.median(chat_ttft):.0f} ms")
+    for w in status.workers:
+        table.add_row(f"{w.worker_id}: KV free/total, pauses, transfers",
+                      f"{w.free_kv_blocks}/{w.total_kv_blocks}, {w.pauses}, {w.transfers.count} "
+                      f"({dict(w.transfers.outcomes)})")
+    console.print(table)
+    for r in results:
+        if "error" in r:
+            console.print(f"[red]request {r['id']}: {r['error']}[/red]")
+    console.print(f"Ray dashboard: http://{dashboard}  (actors pdserve-router, pdserve-ctx-0, pdserve-gen-0; "
+                  f"KV transfers are kv_transfer tasks)")
+    try:
+        if args.keep_alive:
+            console.print("--keep-alive: the cluster stays up; Ctrl-C ends it.")
+            while True:
+                time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.shutdown()
+        if owns:
+            ray.shutdown()
+    return 0 if len(ok) == len(results) else 1

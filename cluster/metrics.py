@@ -1,0 +1,395 @@
+"""Every pdserve metric, in one place (DESIGN.md "Observability").
+
+Each metric is a ``ray.util.metrics`` object named ``pdserve_*``; Ray's Prometheus endpoint
+exports it as ``ray_pdserve_*`` (counters with a ``_total`` suffix, histograms as
+``_bucket``/``_sum``/``_count``). Every series carries the tags ``role`` and ``worker``; some add
+``outcome``, ``state`` or ``kind``. ``METRICS`` lists them all; the Grafana dashboard in deploy/ is
+checked against it.
+
+Two recorders use them:
+
+- ``WorkerMetrics(role, worker_id)``: a worker actor calls ``observe(executor)`` after every
+  executor step (``WorkerLoop(on_step=...)``). Counters and histograms come from the deltas of the
+  executor's cumulative ``ExecutorStats`` / ``TransceiverStats``; gauges (requests per state, KV
+  blocks) are refreshed at most every ``gauge_interval_s``, or at once with ``force=True`` (call
+  that when the loop goes idle so no gauge stays stale).
+- ``RouterMetrics()``: the router calls one method per event (queue change, first token, finish).
+
+Importing this module does not import Ray: metric objects are created on first use, in the
+process that records them (a Ray metric object must be created where Ray is initialised). Tests
+pass a fake ``MetricsFactory`` through the constructors.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from pdserve.workers.executor import Executor, ExecutorStats
+    from pdserve.workers.transceiver import TransceiverStats
+
+# ---------------------------------------------------------------------------- tag keys
+
+ROLE = "role"  # "context" | "generation" | "router"
+WORKER = "worker"  # actor name, e.g. "pdserve-ctx-0"
+OUTCOME = "outcome"
+STATE = "state"  # LlmRequestState name
+KIND = "kind"
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+_SECONDS_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0)
+_SECONDS_TRANSFER = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0, 30.0, 60.0)
+_SECONDS_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0, 600.0)
+_GBPS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0)
+_TOKENS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # as recorded; Prometheus sees "ray_" + name
+    kind: str  # COUNTER | GAUGE | HISTOGRAM
+    description: str
+    tag_keys: tuple[str, ...] = (ROLE, WORKER)
+    boundaries: tuple[float, ...] = ()  # histograms only
+
+    @property
+    def prometheus_name(self) -> str:
+        """The family name on Ray's /metrics endpoint."""
+        return f"ray_{self.name}_total" if self.kind == COUNTER else f"ray_{self.name}"
+
+
+def _spec(name: str, kind: str, description: str, *extra_tags: str,
+          boundaries: tuple[float, ...] = ()) -> MetricSpec:
+    return MetricSpec(name, kind, description, (ROLE, WORKER, *extra_tags), boundaries)
+
+
+# ---------------------------------------------------------------------------- the metrics
+
+# Workers: KV transfers (one observation per finished transfer, measured around send/recv).
+KV_TRANSFER_BYTES = _spec("pdserve_kv_transfer_bytes", COUNTER,
+                          "KV cache bytes moved by successful transfers (sent or received)")
+KV_TRANSFER_SECONDS = _spec("pdserve_kv_transfer_seconds", HISTOGRAM,
+                            "Duration of successful KV transfers", boundaries=_SECONDS_TRANSFER)
+KV_TRANSFER_GBPS = _spec("pdserve_kv_transfer_gbps", HISTOGRAM,
+                         "Throughput of successful KV transfers that moved bytes, GB/s",
+                         boundaries=_GBPS)
+KV_TRANSFERS = _spec("pdserve_kv_transfers", COUNTER,
+                     "Finished KV transfers by final session state (SENT, COMPLETE, EXPIRED, ...)",
+                     OUTCOME)
+KV_LEASES_EXPIRED = _spec("pdserve_kv_leases_expired", COUNTER,
+                          "Context-side KV leases that expired before a generation worker claimed them")
+# Workers: scheduling and the step loop.
+PAUSED_REQUESTS = _spec("pdserve_paused_requests", COUNTER,
+                        "Requests paused (evicted, KV freed, to be re-prefilled)")
+FINISHED_REQUESTS = _spec("pdserve_worker_finished_requests", COUNTER,
+                          "Requests a worker finished, by outcome (finished | aborted)", OUTCOME)
+REQUESTS_BY_STATE = _spec("pdserve_requests", GAUGE,
+                          "Live requests on a worker by LlmRequestState", STATE)
+SCHEDULER_STEP_SECONDS = _spec("pdserve_scheduler_step_seconds", HISTOGRAM,
+                               "Time of one scheduler pass (capacity + micro-batch)",
+                               boundaries=_SECONDS_FAST)
+FORWARD_SECONDS = _spec("pdserve_forward_seconds", HISTOGRAM,
+                        "Time of one model forward over the step's batch", boundaries=_SECONDS_FAST)
+TOKENS_PER_STEP = _spec("pdserve_tokens_per_step", HISTOGRAM,
+                        "Tokens per step: kind=context (prompt tokens prefilled) or "
+                        "kind=generated (tokens sampled)", KIND, boundaries=_TOKENS)
+# Workers: KV cache.
+KV_BLOCKS_USED = _spec("pdserve_kv_blocks_used", GAUGE, "KV blocks held by requests")
+KV_BLOCKS_FREE = _spec("pdserve_kv_blocks_free", GAUGE,
+                       "KV blocks free (including reusable cached blocks)")
+KV_BLOCKS_TOTAL = _spec("pdserve_kv_blocks_capacity", GAUGE, "KV blocks in the pool (total)")
+KV_BLOCKS_QUARANTINED = _spec("pdserve_kv_blocks_quarantined", GAUGE,
+                              "KV blocks held back after a failed transfer until the data plane is quiet")
+# Router.
+ROUTER_QUEUE_DEPTH = _spec("pdserve_router_queue_depth", GAUGE, "Requests waiting in the router's queue")
+ROUTER_IN_FLIGHT = _spec("pdserve_router_in_flight", GAUGE, "Requests admitted and not yet finished")
+ROUTER_REQUESTS = _spec("pdserve_router_requests", COUNTER,
+                        "Finished router requests by outcome (completed | failed | aborted | rejected)",
+                        OUTCOME)
+ROUTER_PREFILLS = _spec("pdserve_router_prefills", COUNTER,
+                        "Dispatched prefills: kind=remote (context worker) or kind=local", KIND)
+ROUTER_RETRIES = _spec("pdserve_router_retries", COUNTER, "Retries on another worker pair or locally")
+ROUTER_QUEUE_SECONDS = _spec("pdserve_router_queue_seconds", HISTOGRAM,
+                             "Router receipt to dispatch to the first worker", boundaries=_SECONDS_LATENCY)
+ROUTER_TTFT_SECONDS = _spec("pdserve_router_ttft_seconds", HISTOGRAM,
+                            "Router receipt to first token sent", boundaries=_SECONDS_LATENCY)
+ROUTER_E2E_SECONDS = _spec("pdserve_router_e2e_seconds", HISTOGRAM,
+                           "Router receipt to last token sent", boundaries=_SECONDS_LATENCY)
+
+METRICS: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
+METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
+
+# Final session states of a transfer that delivered its KV (transport.protocol SendState/RecvState).
+OK_OUTCOMES = frozenset({"SENT", "COMPLETE"})
+
+
+# ---------------------------------------------------------------------------- metric objects
+
+
+class MetricsFactory(Protocol):
+    """Creates metric objects with ray.util.metrics' signatures and record methods
+    (``inc(value, tags)``, ``set(value, tags)``, ``observe(value, tags)``)."""
+
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any: ...
+    def histogram(self, name: str, description: str, boundaries: list[float],
+                  tag_keys: tuple[str, ...]) -> Any: ...
+
+
+class RayMetricsFactory:
+    def counter(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        from ray.util.metrics import Counter
+
+        return Counter(name, description, tag_keys)
+
+    def gauge(self, name: str, description: str, tag_keys: tuple[str, ...]) -> Any:
+        from ray.util.metrics import Gauge
+
+        return Gauge(name, description, tag_keys)
+
+    def histogram(self, name: str, description: str, boundaries: list[float],
+                  tag_keys: tuple[str, ...]) -> Any:
+        from ray.util.metrics import Histogram
+
+        return Histogram(name, description, boundaries, tag_keys)
+
+
+class MetricRegistry:
+    """One metric object per name per process, created on first use."""
+
+    def __init__(self, factory: MetricsFactory) -> None:
+        self.factory = factory
+        self._objects: dict[str, Any] = {}
+
+    def get(self, spec: MetricSpec) -> Any:
+        obj = self._objects.get(spec.name)
+        if obj is None:
+            f = self.factory
+            if spec.kind == COUNTER:
+                obj = f.counter(spec.name, spec.description, spec.tag_keys)
+            elif spec.kind == GAUGE:
+                obj = f.gauge(spec.name, spec.description, spec.tag_keys)
+            else:
+                obj = f.histogram(spec.name, spec.description, list(spec.boundaries), spec.tag_keys)
+            self._objects[spec.name] = obj
+        return obj
+
+
+_ray_registry: MetricRegistry | None = None
+
+
+def _registry(factory: MetricsFactory | None) -> MetricRegistry:
+    global _ray_registry
+    if factory is not None:
+        return MetricRegistry(factory)
+    if _ray_registry is None:
+        _ray_registry = MetricRegistry(RayMetricsFactory())
+    return _ray_registry
+
+
+class _Recorder:
+    """Tags cached per (key, value) so a record is a dict lookup and one metric call."""
+
+    def __init__(self, role: str, worker_id: str, factory: MetricsFactory | None) -> None:
+        if not isinstance(role, str) or not isinstance(worker_id, str):
+            raise TypeError("role and worker_id must be str (Ray tag values are strings)")
+        self.role = role
+        self.worker_id = worker_id
+        self._registry = _registry(factory)
+        self._tags = {ROLE: role, WORKER: worker_id}
+        self._extra_tags: dict[tuple[str, str], dict[str, str]] = {}
+
+    def _tags_with(self, key: str, value: str) -> dict[str, str]:
+        tags = self._extra_tags.get((key, value))
+        if tags is None:
+            tags = self._extra_tags[(key, value)] = {**self._tags, key: value}
+        return tags
+
+    def _inc(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        if value > 0:  # Ray counters reject increments <= 0
+            self._registry.get(spec).inc(value, tags or self._tags)
+
+    def _set(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        self._registry.get(spec).set(value, tags or self._tags)
+
+    def _observe(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        if math.isfinite(value):
+            self._registry.get(spec).observe(value, tags or self._tags)
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+class WorkerGauges(NamedTuple):
+    requests_by_state: Mapping[str, int]
+    used_blocks: int
+    free_blocks: int
+    total_blocks: int
+    quarantined_blocks: int
+
+
+def gauges_from_executor(executor: Executor) -> WorkerGauges:
+    """The gauge values without ``Executor.status()``'s invariant checks and transfer summary."""
+    by_state: dict[str, int] = {}
+    t = executor.transceiver
+    groups: list[Iterable] = [executor.active, executor.waiting]
+    if t is not None:
+        groups += [t.transmitting.values(), t.draining.values()]
+    for group in groups:
+        for r in group:
+            name = r.state.name
+            by_state[name] = by_state.get(name, 0) + 1
+    kv = executor.kv
+    free = kv.get_num_free_blocks()
+    return WorkerGauges(by_state, kv.num_blocks - free, free, kv.num_blocks,
+                        t.num_quarantined_blocks if t is not None else 0)
+
+
+def gauges_from_status(status: Mapping[str, Any]) -> WorkerGauges:
+    """The same values from an ``Executor.status()`` dict."""
+    free, total = int(status["free_blocks"]), int(status["total_blocks"])
+    return WorkerGauges(dict(status["requests_by_state"]), total - free, free, total,
+                        int(status.get("quarantined_blocks", 0)))
+
+
+class _Counters(NamedTuple):
+    steps: int
+    schedule_seconds: float
+    forward_seconds: float
+    context_tokens: int
+    generated_tokens: int
+    pauses: int
+    finished: int
+    aborted: int
+    transfers: int  # records appended: sent + received + failed
+    transfer_bytes: int
+    leases_expired: int
+
+
+_ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+class WorkerMetrics(_Recorder):
+    """Records one worker's metrics. Not thread-safe: call from the executor's loop thread."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_id: str,
+        *,
+        factory: MetricsFactory | None = None,
+        gauge_interval_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(role, worker_id, factory)
+        self.gauge_interval_s = gauge_interval_s
+        self._clock = clock
+        self._last = _ZERO
+        self._next_gauges_at = -math.inf
+        self._states_reported: set[str] = set()
+
+    def observe(self, executor: Executor, *, force: bool = False) -> None:
+        """After each step: counter/histogram deltas always, gauges when due (or ``force``)."""
+        t = executor.transceiver
+        self.observe_stats(executor.stats, t.stats if t is not None else None)
+        now = self._clock()
+        if force or now >= self._next_gauges_at:
+            self._next_gauges_at = now + self.gauge_interval_s
+            self.observe_gauges(gauges_from_executor(executor))
+
+    def observe_stats(self, stats: ExecutorStats, transfer_stats: TransceiverStats | None = None) -> None:
+        """Record what the cumulative counters gained since the previous call. Several steps
+        since the previous call are recorded as one step of their average (call once per step
+        for exact histograms). A counter that went backwards (a new executor) restarts from 0."""
+        ts = transfer_stats
+        cur = _Counters(
+            stats.steps, stats.schedule_seconds, stats.forward_seconds, stats.context_tokens,
+            stats.generated_tokens, stats.pauses, stats.finished, stats.aborted,
+            (ts.sent + ts.received + ts.failed) if ts is not None else 0,
+            (ts.bytes_sent + ts.bytes_received) if ts is not None else 0,
+            ts.leases_expired if ts is not None else 0,
+        )
+        last = self._last
+        if cur == last:
+            return
+        d = _Counters(*(c - p if c >= p else c for c, p in zip(cur, last)))
+        self._last = cur
+
+        if d.steps > 0:
+            self._observe(SCHEDULER_STEP_SECONDS, d.schedule_seconds / d.steps)
+            if d.forward_seconds > 0:  # steps with nothing to run do no forward
+                self._observe(FORWARD_SECONDS, d.forward_seconds / d.steps)
+            if d.context_tokens > 0:
+                self._observe(TOKENS_PER_STEP, d.context_tokens / d.steps, self._tags_with(KIND, "context"))
+            if d.generated_tokens > 0:
+                self._observe(TOKENS_PER_STEP, d.generated_tokens / d.steps, self._tags_with(KIND, "generated"))
+        self._inc(PAUSED_REQUESTS, d.pauses)
+        self._inc(FINISHED_REQUESTS, d.finished, self._tags_with(OUTCOME, "finished"))
+        self._inc(FINISHED_REQUESTS, d.aborted, self._tags_with(OUTCOME, "aborted"))
+        self._inc(KV_TRANSFER_BYTES, d.transfer_bytes)
+        self._inc(KV_LEASES_EXPIRED, d.leases_expired)
+        if d.transfers > 0 and ts is not None:
+            records = ts.records  # bounded deque: only its newest entries can be new
+            for i in range(len(records) - min(d.transfers, len(records)), len(records)):
+                self._observe_transfer(records[i])
+
+    def _observe_transfer(self, record: Any) -> None:
+        self._inc(KV_TRANSFERS, 1, self._tags_with(OUTCOME, record.outcome))
+        if record.outcome in OK_OUTCOMES:
+            self._observe(KV_TRANSFER_SECONDS, record.seconds)
+            if record.nbytes > 0 and record.seconds > 0:
+                self._observe(KV_TRANSFER_GBPS, record.nbytes / record.seconds / 1e9)
+
+    def observe_gauges(self, gauges: WorkerGauges) -> None:
+        """Set every gauge now; a state no longer present is set to 0, not left stale."""
+        for state, n in gauges.requests_by_state.items():
+            self._set(REQUESTS_BY_STATE, n, self._tags_with(STATE, state))
+        for state in self._states_reported.difference(gauges.requests_by_state):
+            self._set(REQUESTS_BY_STATE, 0, self._tags_with(STATE, state))
+        self._states_reported.update(gauges.requests_by_state)
+        self._set(KV_BLOCKS_USED, gauges.used_blocks)
+        self._set(KV_BLOCKS_FREE, gauges.free_blocks)
+        self._set(KV_BLOCKS_TOTAL, gauges.total_blocks)
+        self._set(KV_BLOCKS_QUARANTINED, gauges.quarantined_blocks)
+
+
+# ---------------------------------------------------------------------------- router
+
+
+class RouterMetrics(_Recorder):
+    """Records the router's metrics, one call per event; thread-safe as Ray's metrics are."""
+
+    def __init__(self, router_id: str = "pdserve-router", *, factory: MetricsFactory | None = None) -> None:
+        super().__init__("router", router_id, factory)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._set(ROUTER_QUEUE_DEPTH, depth)
+
+    def set_in_flight(self, count: int) -> None:
+        self._set(ROUTER_IN_FLIGHT, count)
+
+    def count_request(self, outcome: str) -> None:
+        """outcome: completed | failed | aborted | rejected (RouterTotals' names)."""
+        self._inc(ROUTER_REQUESTS, 1, self._tags_with(OUTCOME, outcome))
+
+    def count_prefill(self, *, local: bool) -> None:
+        self._inc(ROUTER_PREFILLS, 1, self._tags_with(KIND, "local" if local else "remote"))
+
+    def count_retries(self, n: int = 1) -> None:
+        self._inc(ROUTER_RETRIES, n)
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._observe(ROUTER_QUEUE_SECONDS, seconds)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._observe(ROUTER_TTFT_SECONDS, seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._observe(ROUTER_E2E_SECONDS, seconds)
