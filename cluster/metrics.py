@@ -11,8 +11,9 @@ Two recorders use them:
 - ``WorkerMetrics(role, worker_id)``: a worker actor calls ``observe(executor)`` after every
   executor step (``WorkerLoop(on_step=...)``). Counters and histograms come from the deltas of the
   executor's cumulative ``ExecutorStats`` / ``TransceiverStats``; gauges (requests per state, KV
-  blocks) are refreshed at most every ``gauge_interval_s``, or at once with ``force=True`` (call
-  that when the loop goes idle so no gauge stays stale).
+  blocks) are refreshed at most every ``gauge_interval_s``, and always after the step that
+  leaves the executor idle (``not executor.has_work``), so no gauge stays stale; ``force=True``
+  refreshes them at once.
 - ``RouterMetrics()``: the router calls one method per event (queue change, first token, finish).
 
 Importing this module does not import Ray: metric objects are created on first use, in the
@@ -104,7 +105,7 @@ TOKENS_PER_STEP = _spec("pdserve_tokens_per_step", HISTOGRAM,
 KV_BLOCKS_USED = _spec("pdserve_kv_blocks_used", GAUGE, "KV blocks held by requests")
 KV_BLOCKS_FREE = _spec("pdserve_kv_blocks_free", GAUGE,
                        "KV blocks free (including reusable cached blocks)")
-KV_BLOCKS_TOTAL = _spec("pdserve_kv_blocks_capacity", GAUGE, "KV blocks in the pool (total)")
+KV_BLOCKS_CAPACITY = _spec("pdserve_kv_blocks_capacity", GAUGE, "KV blocks in the pool (total)")
 KV_BLOCKS_QUARANTINED = _spec("pdserve_kv_blocks_quarantined", GAUGE,
                               "KV blocks held back after a failed transfer until the data plane is quiet")
 # Router.
@@ -123,6 +124,7 @@ ROUTER_TTFT_SECONDS = _spec("pdserve_router_ttft_seconds", HISTOGRAM,
 ROUTER_E2E_SECONDS = _spec("pdserve_router_e2e_seconds", HISTOGRAM,
                            "Router receipt to last token sent", boundaries=_SECONDS_LATENCY)
 
+# Every spec above, in definition order: defining a spec is all it takes to list it.
 METRICS: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
 
@@ -296,11 +298,13 @@ class WorkerMetrics(_Recorder):
         self._states_reported: set[str] = set()
 
     def observe(self, executor: Executor, *, force: bool = False) -> None:
-        """After each step: counter/histogram deltas always, gauges when due (or ``force``)."""
+        """After each step: counter/histogram deltas always; gauges when due, when the executor
+        has no work left, or with ``force``."""
         t = executor.transceiver
         self.observe_stats(executor.stats, t.stats if t is not None else None)
         now = self._clock()
-        if force or now >= self._next_gauges_at:
+        # The loop stops calling once the executor is idle: the last step always refreshes.
+        if force or now >= self._next_gauges_at or not executor.has_work:
             self._next_gauges_at = now + self.gauge_interval_s
             self.observe_gauges(gauges_from_executor(executor))
 
@@ -356,7 +360,7 @@ class WorkerMetrics(_Recorder):
         self._states_reported.update(gauges.requests_by_state)
         self._set(KV_BLOCKS_USED, gauges.used_blocks)
         self._set(KV_BLOCKS_FREE, gauges.free_blocks)
-        self._set(KV_BLOCKS_TOTAL, gauges.total_blocks)
+        self._set(KV_BLOCKS_CAPACITY, gauges.total_blocks)
         self._set(KV_BLOCKS_QUARANTINED, gauges.quarantined_blocks)
 
 

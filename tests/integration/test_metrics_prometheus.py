@@ -1,0 +1,159 @@
+"""pdserve metrics reach Ray's Prometheus endpoint as ray_pdserve_* with their tags and values.
+
+Starts its own local Ray (metrics reported every second), records a worker's and the router's
+metrics inside an actor, and polls the node's /metrics endpoint (bounded) until they appear.
+Ray 2.60's token auth covers its gRPC/dashboard APIs; the Prometheus endpoint is plain HTTP, but
+if it ever answers 401/403 the poll retries with the cluster token as a bearer token.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+WORKER_ID = f"pdserve-ctx-metrics-{os.getpid()}"  # unique: other Ray sessions may share the host
+ROUTER_ID = f"pdserve-router-metrics-{os.getpid()}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_metrics_port():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    assert not ray.is_initialized()
+    # address="local": always a fresh instance of our own, never a cluster someone else runs.
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             _metrics_export_port=_free_port(), log_to_driver=False)
+    try:
+        ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
+        assert len(ports) == 1
+        yield ports[0]
+    finally:
+        ray.shutdown()
+
+
+def _record_metrics(worker_id: str, router_id: str) -> None:
+    from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
+    from pdserve.workers.executor import ExecutorStats
+    from pdserve.workers.transceiver import TransceiverStats, TransferRecord
+
+    worker = WorkerMetrics("context", worker_id)
+    stats, ts = ExecutorStats(), TransceiverStats()
+    stats.steps, stats.schedule_seconds, stats.forward_seconds = 1, 0.002, 0.02
+    stats.context_tokens, stats.generated_tokens, stats.pauses = 64, 1, 1
+    worker.observe_stats(stats, ts)
+    stats.steps, stats.schedule_seconds, stats.forward_seconds = 2, 0.004, 0.04
+    stats.generated_tokens, stats.pauses = 3, 3
+    ts.sent, ts.failed, ts.bytes_sent, ts.leases_expired = 2, 1, 3_000_000, 1
+    ts.records.extend([TransferRecord(1, "send", "SENT", 1_000_000, 0.003, ""),
+                       TransferRecord(2, "send", "SENT", 2_000_000, 0.003, ""),
+                       TransferRecord(3, "send", "EXPIRED", 0, 30.0, "lease")])
+    worker.observe_stats(stats, ts)
+    worker.observe_gauges(WorkerGauges({"GENERATION_IN_PROGRESS": 2, "CONTEXT_INIT": 1}, 5, 27, 32, 0))
+
+    router = RouterMetrics(router_id)
+    router.set_queue_depth(4)
+    router.count_request("completed")
+    router.count_request("completed")
+    router.count_request("aborted")
+    router.count_retries()
+    router.observe_ttft(0.2)
+    router.observe_e2e(1.2)
+
+
+def _scrape(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        return urllib.request.urlopen(url, timeout=5).read().decode()
+    except urllib.error.HTTPError as err:
+        if err.code not in (401, 403):
+            raise
+    token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").read_text().strip()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    return urllib.request.urlopen(request, timeout=5).read().decode()
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_pdserve_") and s.labels.get("worker") in (WORKER_ID, ROUTER_ID):
+                keep = {k: v for k, v in s.labels.items() if k in ("role", "worker", "outcome", "state", "kind", "le")}
+                out[(s.name, frozenset(keep.items()))] = s.value
+    return out
+
+
+def test_pdserve_metrics_are_exported_with_tags(ray_metrics_port):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Recorder:
+        def record(self) -> None:
+            _record_metrics(WORKER_ID, ROUTER_ID)
+
+    recorder = Recorder.options(name="pdserve-metrics-test").remote()
+    ray.get(recorder.record.remote(), timeout=60)
+
+    w = {"role": "context", "worker": WORKER_ID}
+    r = {"role": "router", "worker": ROUTER_ID}
+
+    def key(name: str, tags: dict, **extra: str) -> tuple[str, frozenset]:
+        return name, frozenset({**tags, **extra}.items())
+
+    expected = {
+        key("ray_pdserve_paused_requests_total", w): 3.0,
+        key("ray_pdserve_kv_transfers_total", w, outcome="SENT"): 2.0,
+        key("ray_pdserve_kv_transfers_total", w, outcome="EXPIRED"): 1.0,
+        key("ray_pdserve_kv_transfer_bytes_total", w): 3_000_000.0,
+        key("ray_pdserve_kv_leases_expired_total", w): 1.0,
+        key("ray_pdserve_kv_transfer_seconds_count", w): 2.0,
+        key("ray_pdserve_scheduler_step_seconds_count", w): 2.0,
+        key("ray_pdserve_forward_seconds_count", w): 2.0,
+        key("ray_pdserve_tokens_per_step_count", w, kind="generated"): 2.0,
+        key("ray_pdserve_tokens_per_step_bucket", w, kind="context", le="64.0"): 1.0,
+        key("ray_pdserve_tokens_per_step_bucket", w, kind="context", le="32.0"): 0.0,
+        key("ray_pdserve_requests", w, state="GENERATION_IN_PROGRESS"): 2.0,
+        key("ray_pdserve_requests", w, state="CONTEXT_INIT"): 1.0,
+        key("ray_pdserve_kv_blocks_used", w): 5.0,
+        key("ray_pdserve_kv_blocks_free", w): 27.0,
+        key("ray_pdserve_kv_blocks_capacity", w): 32.0,
+        key("ray_pdserve_kv_blocks_quarantined", w): 0.0,
+        key("ray_pdserve_router_queue_depth", r): 4.0,
+        key("ray_pdserve_router_requests_total", r, outcome="completed"): 2.0,
+        key("ray_pdserve_router_requests_total", r, outcome="aborted"): 1.0,
+        key("ray_pdserve_router_retries_total", r): 1.0,
+        key("ray_pdserve_router_ttft_seconds_count", r): 1.0,
+        key("ray_pdserve_router_e2e_seconds_bucket", r, le="2.5"): 1.0,
+        key("ray_pdserve_router_e2e_seconds_bucket", r, le="1.0"): 0.0,
+    }
+    seen: dict = {}
+    deadline = time.monotonic() + 45  # reports go out every second; allow for a loaded host
+    while time.monotonic() < deadline:
+        try:
+            seen = _samples(_scrape(ray_metrics_port))
+        except (urllib.error.URLError, ConnectionError):
+            seen = {}
+        if all(k in seen for k in expected):
+            break
+        time.sleep(1.0)
+    missing = sorted(name + str(sorted(tags)) for (name, tags) in expected if (name, tags) not in seen)
+    assert not missing, f"not exported within 45 s: {missing}"
+    wrong = {k: (seen[k], v) for k, v in expected.items() if seen[k] != v}
+    assert not wrong, f"(exported, expected): {wrong}"

@@ -1,0 +1,153 @@
+"""deploy/: every YAML and JSON parses; the Grafana dashboard has a panel for every metric that
+cluster/metrics.py defines (read from the module) and matches its generator; the cluster
+manifests start pdserve with `pdserve launch` and pin torch."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.cluster import metrics as M
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "pdserve-dashboard.json"
+
+
+def _files(*suffixes: str) -> list[Path]:
+    return sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+def _yaml(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _panels(dashboard: dict) -> list[dict]:
+    out = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))  # collapsed rows nest theirs
+    return out
+
+
+def _series_pattern(spec: M.MetricSpec) -> re.Pattern:
+    series = {M.COUNTER: f"ray_{spec.name}_total", M.GAUGE: f"ray_{spec.name}",
+              M.HISTOGRAM: f"ray_{spec.name}_bucket"}[spec.kind]
+    return re.compile(rf"(?<![A-Za-z0-9_]){series}(?![A-Za-z0-9_])")
+
+
+@pytest.mark.parametrize("path", _files(".yaml", ".yml"), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path: Path):
+    assert _yaml(path), f"{path} is empty"
+
+
+@pytest.mark.parametrize("path", _files(".json"), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_json_parses(path: Path):
+    assert json.loads(path.read_text())
+
+
+def test_expected_deploy_files_exist():
+    for rel in ("ray-cluster.yaml", "kuberay/raycluster.yaml", "prometheus/prometheus.yml",
+                "grafana/pdserve-dashboard.json"):
+        assert (DEPLOY / rel).is_file(), rel
+
+
+# ---------------------------------------------------------------------------- grafana
+
+
+def test_dashboard_has_a_panel_for_every_metric():
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [p for p in _panels(dashboard) if p["type"] != "row"]
+    assert len(M.METRICS) >= 20
+    for spec in M.METRICS:
+        pattern = _series_pattern(spec)
+        matching = [p for p in panels if any(pattern.search(t["expr"]) for t in p["targets"])]
+        assert len(matching) == 1, f"{spec.name}: {len(matching)} panels"
+        exprs = [t["expr"] for t in matching[0]["targets"]]
+        for expr in exprs:
+            assert 'role=~"$role"' in expr and 'worker=~"$worker"' in expr, expr
+            assert expr.count("(") == expr.count(")"), expr
+            if spec.kind == M.COUNTER:
+                assert expr.startswith("sum by") and "rate(" in expr, expr
+            elif spec.kind == M.HISTOGRAM:
+                assert expr.startswith("histogram_quantile(") and "by (le," in expr, expr
+            else:
+                assert "rate(" not in expr, expr
+        if spec.kind == M.HISTOGRAM:
+            assert len(exprs) == 3  # p50, p95, p99
+
+
+def test_dashboard_is_templated_by_role_and_worker():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "role", "worker"} <= set(variables)
+    assert "role" in variables["role"]["definition"]
+    assert "$role" in variables["worker"]["definition"]
+    ids = [p["id"] for p in _panels(dashboard)]
+    assert len(ids) == len(set(ids))
+
+
+def test_dashboard_json_matches_its_generator():
+    spec = importlib.util.spec_from_file_location("build_dashboard", DEPLOY / "grafana" / "build_dashboard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert json.loads(DASHBOARD.read_text()) == module.build_dashboard(), (
+        "stale dashboard: run `python deploy/grafana/build_dashboard.py`"
+    )
+
+
+# ---------------------------------------------------------------------------- prometheus
+
+
+def test_prometheus_scrapes_rays_service_discovery_file():
+    (config,) = _yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    files = [f for job in config["scrape_configs"] for sd in job.get("file_sd_configs", [])
+             for f in sd["files"]]
+    assert "/tmp/ray/prom_metrics_service_discovery.json" in files
+    static = [job for path in _files(".yml", ".yaml") if path.parent.name == "prometheus"
+              for doc in _yaml(path) for job in doc["scrape_configs"] if "static_configs" in job]
+    assert static and all(":" in t for job in static for sc in job["static_configs"] for t in sc["targets"])
+
+
+# ---------------------------------------------------------------------------- clusters
+
+
+def test_ray_cluster_launcher_yaml():
+    text = (DEPLOY / "ray-cluster.yaml").read_text()
+    (config,) = _yaml(DEPLOY / "ray-cluster.yaml")
+    assert "pdserve launch --address auto" in text
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types and len(types) >= 2
+    setup = config["setup_commands"]
+    torch_at = next(i for i, c in enumerate(setup) if "pip install torch" in c)
+    pdserve_at = next(i for i, c in enumerate(setup) if "pdserve" in c and "pip install" in c)
+    assert "torch==2.13.0" in setup[torch_at] and torch_at < pdserve_at
+    assert any("ray start --head" in c for c in config["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in config["worker_start_ray_commands"])
+
+
+def test_kuberay_cluster_runs_pdserve_launch_and_exposes_grpc_and_dashboard():
+    docs = _yaml(DEPLOY / "kuberay" / "raycluster.yaml")
+    (cluster,) = [d for d in docs if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    hook = " ".join(head["lifecycle"]["postStart"]["exec"]["command"])
+    assert re.search(r"pdserve launch --address auto --port 50051\b", hook)
+    workers = cluster["spec"]["workerGroupSpecs"]
+    assert any("nvidia.com/gpu" in g["template"]["spec"]["containers"][0]["resources"]["limits"]
+               for g in workers)
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    ports = {p["port"] for p in service["spec"]["ports"]}
+    assert {50051, 8265} <= ports
+    assert service["spec"]["selector"]["ray.io/node-type"] == "head"
+
+
+def test_every_torch_install_in_deploy_is_pinned():
+    for path in DEPLOY.rglob("*"):
+        if not path.is_file():
+            continue
+        for match in re.finditer(r"pip install[^\n]*?\btorch\b(\S*)", path.read_text()):
+            assert match.group(1) == "==2.13.0", f"{path}: {match.group(0)}"

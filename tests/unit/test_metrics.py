@@ -1,0 +1,385 @@
+"""cluster/metrics.py without Ray: a fake factory records every metric call, a fake clock drives
+the gauge rate limit, and the executor's real stats dataclasses carry the cumulative counters."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.cluster import metrics as M
+from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
+from pdserve.workers.executor import ExecutorStats
+from pdserve.workers.transceiver import TransceiverStats, TransferRecord
+
+S = LlmRequestState
+
+
+class FakeMetric:
+    def __init__(self, kind: str, name: str, tag_keys: tuple[str, ...]) -> None:
+        self.kind, self.name, self.tag_keys = kind, name, tag_keys
+        self.calls: list[tuple[float, dict[str, str]]] = []
+
+    def _record(self, value: float, tags: dict[str, str]) -> None:
+        # Ray's strictness: every tag key present, values are strings, counters only go up.
+        assert set(tags) == set(self.tag_keys), (self.name, tags)
+        assert all(isinstance(v, str) for v in tags.values())
+        self.calls.append((value, dict(tags)))
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        assert self.kind == "counter" and value > 0
+        self._record(value, tags)
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        assert self.kind == "gauge"
+        self._record(value, tags)
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        assert self.kind == "histogram"
+        self._record(value, tags)
+
+
+class FakeFactory:
+    def __init__(self) -> None:
+        self.metrics: dict[str, FakeMetric] = {}
+
+    def _make(self, kind: str, name: str, tag_keys: tuple[str, ...]) -> FakeMetric:
+        assert name not in self.metrics, f"{name} created twice"
+        self.metrics[name] = FakeMetric(kind, name, tag_keys)
+        return self.metrics[name]
+
+    def counter(self, name, description, tag_keys):
+        return self._make("counter", name, tag_keys)
+
+    def gauge(self, name, description, tag_keys):
+        return self._make("gauge", name, tag_keys)
+
+    def histogram(self, name, description, boundaries, tag_keys):
+        assert boundaries == sorted(boundaries) and boundaries[0] > 0
+        return self._make("histogram", name, tag_keys)
+
+    def calls(self, spec: M.MetricSpec, **tags: str) -> list[float]:
+        metric = self.metrics.get(spec.name)
+        if metric is None:
+            return []
+        return [v for v, t in metric.calls if all(t[k] == val for k, val in tags.items())]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeTransceiver:
+    def __init__(self, maxlen: int = 10_000) -> None:
+        self.stats = TransceiverStats()
+        self.stats.records = deque(maxlen=maxlen)
+        self.transmitting: dict[int, LlmRequest] = {}
+        self.draining: dict[int, LlmRequest] = {}
+        self.num_quarantined_blocks = 0
+
+    def finish(self, rid: int, outcome: str, nbytes: int, seconds: float) -> None:
+        """What KVTransceiver._record does for one finished transfer."""
+        s = self.stats
+        if outcome in ("SENT", "COMPLETE"):
+            s.sent += outcome == "SENT"
+            s.received += outcome == "COMPLETE"
+            s.bytes_sent += nbytes if outcome == "SENT" else 0
+            s.bytes_received += nbytes if outcome == "COMPLETE" else 0
+            s.seconds += seconds
+        else:
+            s.failed += 1
+        s.records.append(TransferRecord(rid, "send", outcome, nbytes, seconds, ""))
+
+
+class FakeExecutor:
+    """The attributes WorkerMetrics reads from an Executor."""
+
+    def __init__(self, transceiver: FakeTransceiver | None = None) -> None:
+        self.stats = ExecutorStats()
+        self.transceiver = transceiver
+        self.active: list[LlmRequest] = []
+        self.waiting: list[LlmRequest] = []
+        self.kv = KVCacheManager(32, 4)
+        self.has_work = True
+
+
+def _request(rid: int, state: S) -> LlmRequest:
+    r = LlmRequest(rid, [1, 2, 3, 4, 5], 4)
+    r.state = state
+    return r
+
+
+def _worker(**kw) -> tuple[M.WorkerMetrics, FakeFactory, Clock]:
+    factory, clock = FakeFactory(), Clock()
+    return M.WorkerMetrics("context", "pdserve-ctx-0", factory=factory, clock=clock, **kw), factory, clock
+
+
+def _step(ex: FakeExecutor, *, schedule=0.001, forward=0.01, ctx=0, gen=0, pauses=0, finished=0) -> None:
+    s = ex.stats
+    s.steps += 1
+    s.schedule_seconds += schedule
+    s.forward_seconds += forward
+    s.context_tokens += ctx
+    s.generated_tokens += gen
+    s.pauses += pauses
+    s.finished += finished
+
+
+# ---------------------------------------------------------------------------- definitions
+
+
+def test_importing_the_module_loads_no_ray():
+    code = "import sys, pdserve.cluster.metrics; print(any(m.split('.')[0] == 'ray' for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_metric_definitions_are_well_formed():
+    names = [m.name for m in M.METRICS]
+    assert len(names) == len(set(names)) >= 20
+    assert tuple(names) == M.METRIC_NAMES
+    for m in M.METRICS:
+        assert re.fullmatch(r"pdserve_[a-z0-9_]+", m.name), m.name
+        assert not m.name.endswith("_total"), "Ray appends _total to counters"
+        assert m.tag_keys[:2] == (M.ROLE, M.WORKER)
+        assert m.kind in (M.COUNTER, M.GAUGE, M.HISTOGRAM)
+        if m.kind == M.HISTOGRAM:
+            assert list(m.boundaries) == sorted(set(m.boundaries)) and m.boundaries[0] > 0
+        else:
+            assert m.boundaries == ()
+    assert M.PAUSED_REQUESTS.prometheus_name == "ray_pdserve_paused_requests_total"
+    assert M.KV_BLOCKS_USED.prometheus_name == "ray_pdserve_kv_blocks_used"
+
+
+def test_metric_objects_are_created_lazily_and_once():
+    metrics, factory, _ = _worker()
+    assert factory.metrics == {}
+    ex = FakeExecutor()
+    _step(ex, ctx=8, gen=1)
+    metrics.observe(ex)
+    _step(ex, gen=1)
+    metrics.observe(ex)  # FakeFactory asserts no name is created twice
+    assert M.SCHEDULER_STEP_SECONDS.name in factory.metrics
+    assert M.KV_TRANSFERS.name not in factory.metrics  # nothing transferred yet
+
+
+# ---------------------------------------------------------------------------- worker deltas
+
+
+def test_counters_record_deltas_and_histograms_one_value_per_step():
+    metrics, factory, _ = _worker()
+    ex = FakeExecutor()
+    _step(ex, ctx=16, gen=2, pauses=1)
+    metrics.observe(ex)
+    _step(ex, schedule=0.002, forward=0.02, gen=3, pauses=2, finished=1)
+    ex.stats.aborted += 1
+    metrics.observe(ex)
+    assert factory.calls(M.PAUSED_REQUESTS, role="context", worker="pdserve-ctx-0") == [1, 2]
+    assert factory.calls(M.FINISHED_REQUESTS, outcome="finished") == [1]
+    assert factory.calls(M.FINISHED_REQUESTS, outcome="aborted") == [1]
+    assert factory.calls(M.TOKENS_PER_STEP, kind="context") == [16]
+    assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2, 3]
+    assert factory.calls(M.SCHEDULER_STEP_SECONDS) == [0.001, 0.002]
+    assert [round(v, 9) for v in factory.calls(M.FORWARD_SECONDS)] == [0.01, 0.02]
+
+
+def test_observing_twice_without_a_step_records_nothing_new():
+    metrics, factory, clock = _worker()
+    ex = FakeExecutor()
+    _step(ex, ctx=4, pauses=1)
+    metrics.observe(ex)
+    before = {name: len(m.calls) for name, m in factory.metrics.items()}
+    metrics.observe(ex)
+    assert {name: len(m.calls) for name, m in factory.metrics.items()} == before
+
+
+def test_several_steps_between_observations_are_averaged_into_one():
+    metrics, factory, _ = _worker()
+    ex = FakeExecutor()
+    for _ in range(4):
+        _step(ex, schedule=0.004, forward=0.0, gen=2)
+    metrics.observe(ex)
+    assert [round(v, 9) for v in factory.calls(M.SCHEDULER_STEP_SECONDS)] == [0.004]
+    assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2]
+    assert factory.calls(M.FORWARD_SECONDS) == []  # idle steps ran no forward
+
+
+def test_a_new_executor_restarts_the_deltas_from_zero():
+    metrics, factory, _ = _worker()
+    ex = FakeExecutor()
+    _step(ex, pauses=5)
+    metrics.observe(ex)
+    fresh = FakeExecutor()
+    _step(fresh, pauses=2)
+    metrics.observe(fresh)
+    assert factory.calls(M.PAUSED_REQUESTS) == [5, 2]
+
+
+def test_transfers_are_recorded_once_each_by_outcome():
+    metrics, factory, _ = _worker()
+    t = FakeTransceiver()
+    ex = FakeExecutor(t)
+    t.finish(1, "SENT", 2_000_000, 0.002)
+    t.finish(2, "EXPIRED", 0, 30.0)
+    t.stats.leases_expired += 1
+    metrics.observe(ex)
+    t.finish(3, "SENT", 0, 0.001)  # every block was cached on the generation side
+    t.finish(4, "FAILED", 0, 0.5)
+    metrics.observe(ex)
+    metrics.observe(ex)
+    assert factory.calls(M.KV_TRANSFERS, outcome="SENT") == [1, 1]
+    assert factory.calls(M.KV_TRANSFERS, outcome="EXPIRED") == [1]
+    assert factory.calls(M.KV_TRANSFERS, outcome="FAILED") == [1]
+    assert factory.calls(M.KV_TRANSFER_BYTES) == [2_000_000]
+    assert factory.calls(M.KV_LEASES_EXPIRED) == [1]
+    assert factory.calls(M.KV_TRANSFER_SECONDS) == [0.002, 0.001]  # successful transfers only
+    assert [round(v, 6) for v in factory.calls(M.KV_TRANSFER_GBPS)] == [1.0]  # 2 MB / 2 ms
+
+
+def test_more_new_transfers_than_the_bounded_record_deque_keeps():
+    metrics, factory, _ = _worker()
+    t = FakeTransceiver(maxlen=3)
+    ex = FakeExecutor(t)
+    for rid in range(10):
+        t.finish(rid, "COMPLETE", 100, 0.001)
+    metrics.observe(ex)
+    # The bytes counter follows the totals; per-transfer metrics see what the deque kept.
+    assert factory.calls(M.KV_TRANSFER_BYTES) == [1000]
+    assert factory.calls(M.KV_TRANSFERS, outcome="COMPLETE") == [1, 1, 1]
+    t.finish(10, "TIMED_OUT", 0, 30.0)
+    metrics.observe(ex)
+    assert factory.calls(M.KV_TRANSFERS, outcome="TIMED_OUT") == [1]
+    assert len(factory.calls(M.KV_TRANSFERS)) == 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 50), st.integers(0, 2),
+                          st.sampled_from(["SENT", "COMPLETE", "FAILED", "EXPIRED"])), max_size=30),
+       st.lists(st.booleans(), max_size=30))
+def test_counter_increments_sum_to_the_cumulative_totals(events, observe_after):
+    metrics, factory, _ = _worker()
+    t = FakeTransceiver()
+    ex = FakeExecutor(t)
+    for i, (pauses, gen, n_transfers, outcome) in enumerate(events):
+        _step(ex, gen=gen, pauses=pauses)
+        for _ in range(n_transfers):
+            t.finish(i, outcome, 10, 0.01)
+        if i < len(observe_after) and observe_after[i]:
+            metrics.observe(ex)
+    metrics.observe(ex)
+    assert sum(factory.calls(M.PAUSED_REQUESTS)) == ex.stats.pauses
+    assert sum(factory.calls(M.KV_TRANSFER_BYTES)) == t.stats.bytes_sent + t.stats.bytes_received
+    total_transfers = t.stats.sent + t.stats.received + t.stats.failed
+    assert sum(factory.calls(M.KV_TRANSFERS)) == total_transfers
+    for outcome in ("SENT", "COMPLETE", "FAILED", "EXPIRED"):
+        expected = sum(r.outcome == outcome for r in t.stats.records)
+        assert sum(factory.calls(M.KV_TRANSFERS, outcome=outcome)) == expected
+
+
+# ---------------------------------------------------------------------------- worker gauges
+
+
+def test_gauges_are_rate_limited_and_states_that_empty_go_to_zero():
+    metrics, factory, clock = _worker(gauge_interval_s=0.5)
+    t = FakeTransceiver()
+    ex = FakeExecutor(t)
+    ex.active = [_request(1, S.CONTEXT_INIT), _request(2, S.GENERATION_IN_PROGRESS),
+                 _request(3, S.GENERATION_IN_PROGRESS)]
+    ex.kv.add_sequence(ex.active[0])
+    t.transmitting[9] = _request(9, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
+    t.num_quarantined_blocks = 2
+    metrics.observe(ex)
+    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2]
+    assert factory.calls(M.REQUESTS_BY_STATE, state="DISAGG_CONTEXT_TRANS_IN_PROGRESS") == [1]
+    used = ex.kv.get_num_used_blocks()
+    assert used > 0
+    assert factory.calls(M.KV_BLOCKS_USED) == [used]
+    assert factory.calls(M.KV_BLOCKS_FREE) == [32 - used]
+    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32]
+    assert factory.calls(M.KV_BLOCKS_QUARANTINED) == [2]
+
+    ex.active = ex.active[:1]
+    clock.now += 0.2
+    metrics.observe(ex)  # not due yet
+    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32]
+    clock.now += 0.3
+    metrics.observe(ex)  # due
+    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32, 32]
+    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2, 0]
+    metrics.observe(ex, force=True)
+    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32, 32, 32]
+    assert factory.calls(M.REQUESTS_BY_STATE, state="CONTEXT_INIT") == [1, 1, 1]
+
+
+def test_the_step_that_leaves_the_executor_idle_refreshes_the_gauges():
+    metrics, factory, clock = _worker(gauge_interval_s=0.5)
+    ex = FakeExecutor()
+    ex.active = [_request(1, S.GENERATION_IN_PROGRESS)]
+    metrics.observe(ex)
+    ex.active = []
+    ex.has_work = False  # the last request finished in this step; the loop calls no more
+    clock.now += 0.1
+    metrics.observe(ex)
+    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0]
+
+
+def test_gauges_from_a_status_dict_match_the_executor_snapshot():
+    t = FakeTransceiver()
+    ex = FakeExecutor(t)
+    ex.waiting = [_request(1, S.CONTEXT_INIT)]
+    ex.kv.add_sequence(ex.waiting[0])
+    t.draining[4] = _request(4, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    t.num_quarantined_blocks = 3
+    # The keys Executor.status() returns.
+    status = {"requests_by_state": {"CONTEXT_INIT": 1, "DISAGG_GENERATION_TRANS_IN_PROGRESS": 1},
+              "free_blocks": ex.kv.get_num_free_blocks(), "total_blocks": 32, "quarantined_blocks": 3}
+    assert M.gauges_from_status(status) == M.gauges_from_executor(ex)
+
+
+# ---------------------------------------------------------------------------- router
+
+
+def test_router_metrics_tag_every_event():
+    factory = FakeFactory()
+    router = M.RouterMetrics(factory=factory)
+    assert factory.metrics == {}
+    router.set_queue_depth(3)
+    router.set_queue_depth(0)
+    router.set_in_flight(2)
+    router.count_request("completed")
+    router.count_request("failed")
+    router.count_request("completed")
+    router.count_prefill(local=True)
+    router.count_prefill(local=False)
+    router.count_retries()
+    router.count_retries(0)  # nothing to count: no call (Ray rejects 0)
+    router.observe_queue_time(0.01)
+    router.observe_ttft(0.05)
+    router.observe_e2e(1.5)
+    tags = dict(role="router", worker="pdserve-router")
+    assert factory.calls(M.ROUTER_QUEUE_DEPTH, **tags) == [3, 0]
+    assert factory.calls(M.ROUTER_IN_FLIGHT) == [2]
+    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [1, 1]
+    assert factory.calls(M.ROUTER_REQUESTS, outcome="failed") == [1]
+    assert factory.calls(M.ROUTER_PREFILLS, kind="local") == [1]
+    assert factory.calls(M.ROUTER_PREFILLS, kind="remote") == [1]
+    assert factory.calls(M.ROUTER_RETRIES, **tags) == [1]
+    assert factory.calls(M.ROUTER_QUEUE_SECONDS) == [0.01]
+    assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05]
+    assert factory.calls(M.ROUTER_E2E_SECONDS) == [1.5]
+
+
+def test_tag_values_must_be_strings():
+    try:
+        M.WorkerMetrics("context", 0, factory=FakeFactory())  # type: ignore[arg-type]
+    except TypeError:
+        return
+    raise AssertionError("a non-string worker id was accepted")
