@@ -11,6 +11,7 @@ _LAZY = {
     "LLM": ("pdserve.workers.engine", "LLM"),
     "SamplingParams": ("pdserve.workers.sampling", "SamplingParams"),
     "RequestOutput": ("pdserve.workers.engine", "RequestOutput"),
+    "Client": ("pdserve.cluster.client", "Client"),
 }
 
 

@@ -52,6 +52,10 @@ class WorkerFailure(RuntimeError):
     """A worker call failed (actor died, timed out, or the transfer failed)."""
 
 
+class RequestRejected(ValueError):
+    """A worker refused the request itself (validation); retrying elsewhere cannot help."""
+
+
 @dataclass(slots=True)
 class _Request:
     internal_id: int
@@ -99,10 +103,12 @@ class Router(router_pb2_grpc.RouterServicer):
             raise ValueError("the router needs at least one generation worker")
         first = infos[self.gen_ids[0]]
         self.tokens_per_block = first["tokens_per_block"]
+        # A request must fit every worker's pool on its own, or GNE would hold it forever.
+        pool_tokens = min(i["num_kv_blocks"] * i["tokens_per_block"] for i in infos.values())
         self.limits = P.ValidationLimits(
             vocab_size=first["vocab_size"],
-            max_input_len=min(i["max_input_len"] for i in infos.values()),
-            max_seq_len=min(i["max_seq_len"] for i in infos.values()),
+            max_input_len=min(min(i["max_input_len"] for i in infos.values()), pool_tokens - 1),
+            max_seq_len=min(min(i["max_seq_len"] for i in infos.values()), pool_tokens),
         )
         self.context_policy = P.make_policy(config.context_policy, P.WorkerRole.CONTEXT)
         self.generation_policy = P.make_policy("least_loaded", P.WorkerRole.GENERATION)
@@ -327,6 +333,8 @@ class Router(router_pb2_grpc.RouterServicer):
                             self.metrics.count_retries()
         except asyncio.CancelledError:
             raise
+        except RequestRejected as exc:
+            await self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a router bug must not leave the client waiting
             log.exception("request %s failed in the router", req.external_id)
             await self._fail(req, grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
@@ -350,8 +358,16 @@ class Router(router_pb2_grpc.RouterServicer):
             return P.RetryPlan(P.RetryAction.PAIR, ctx.worker_id, gen.worker_id, decision.reason)
         return P.RetryPlan(P.RetryAction.LOCAL_PREFILL, None, gen.worker_id, decision.reason)
 
+    def _note_dispatch(self, worker_id: str, prompt_tokens: int) -> None:
+        """The optimistic view until the next status refresh, so a burst spreads out."""
+        load = self.loads.get(worker_id)
+        if load is not None:
+            self.loads[worker_id] = load.with_dispatched(prompt_tokens)
+
     async def _remote(self, req: _Request, ctx_id: str, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = ctx_id, gen_id, False
+        self._note_dispatch(ctx_id, len(req.prompt))
+        self._note_dispatch(gen_id, 0)
         self.totals["remote_prefills"] += 1
         if self.metrics is not None:
             self.metrics.count_prefill(local=False)
@@ -376,6 +392,7 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def _local(self, req: _Request, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = "", gen_id, True
+        self._note_dispatch(gen_id, len(req.prompt))
         self.totals["local_prefills"] += 1
         if self.metrics is not None:
             self.metrics.count_prefill(local=True)
@@ -416,8 +433,13 @@ class Router(router_pb2_grpc.RouterServicer):
             raise
         except WorkerFailure:
             raise
-        except Exception as exc:  # RayActorError, RayTaskError, ...
-            self._mark_unhealthy(worker_id)
+        except Exception as exc:
+            from ray.exceptions import RayActorError, RayTaskError
+
+            if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
+                raise RequestRejected(str(exc.cause)) from exc  # the request, not the worker
+            if isinstance(exc, RayActorError):
+                self._mark_unhealthy(worker_id)
             raise WorkerFailure(f"{worker_id}: {type(exc).__name__}: {exc}") from exc
         finally:
             if (worker_id, attempt) in req.attempts:

@@ -138,7 +138,8 @@ class WorkerActorBase:
         """Streams the request's updates (a Ray streaming generator)."""
         request, params = request_from_wire(wire)
         stream = self.loop.submit(request, params)
-        if request.llm_request_type != LlmRequestType.GENERATION_ONLY:
+        if self.config.enable_block_reuse:
+            # Prefilled or received, the prompt's full blocks end up in this worker's cache.
             self._advertise(request.get_prompt_tokens())
         while not stream.finished:
             yield update_to_wire(stream.get(timeout_s))

@@ -1,0 +1,272 @@
+"""The cluster end to end: a local Ray cluster on 127.0.0.1, worker actors, the gRPC router.
+
+One Ray instance serves the module; each test launches the pdserve actors it needs and kills
+only those. Outputs are compared token for token with the in-process engine on the same model.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import time
+import urllib.request
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.cluster.client import Client  # noqa: E402
+from pdserve.cluster.launch import LaunchConfig, builtin_model_dir, ensure_ray, launch  # noqa: E402
+from pdserve.cluster.router import RouterConfig  # noqa: E402
+from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
+from pdserve.cluster.rpc import router_pb2_grpc  # noqa: E402
+
+ENGINE = dict(tokens_per_block=4, max_batch_size=8, max_num_tokens=64,
+              context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=8, num_kv_blocks=256)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    owns = ensure_ray(num_cpus=8)
+    yield
+    if owns:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return builtin_model_dir()
+
+
+@pytest.fixture
+def cluster(ray_cluster, model_dir):
+    started = []
+
+    def _launch(**kwargs):
+        kwargs.setdefault("engine", ENGINE)
+        router = kwargs.pop("router", RouterConfig())
+        cl = launch(LaunchConfig(model=str(model_dir), router=dataclasses.replace(router, port=0), **kwargs))
+        started.append(cl)
+        return cl
+
+    yield _launch
+    for cl in started:
+        cl.shutdown()
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 259) for _ in range(rng.randint(4, 40))] for _ in range(n)]
+
+
+def _reference(model_dir, prompts, max_tokens):
+    llm = LLM(model_dir, **ENGINE)
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))]
+
+
+async def _generate_all(port, prompts, max_tokens, **kwargs):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def one(i, p):
+            req = Client.build_request(p, max_tokens=max_tokens, request_id=f"r{i}", **GREEDY, **kwargs)
+            tokens, last = [], None
+            async for delta in stub.Generate(req, timeout=120):
+                tokens.extend(delta.token_ids)
+                last = delta
+            return tokens, last
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def _status(port) -> pb.ClusterStatus:
+    with Client(f"127.0.0.1:{port}") as client:
+        return client.status()
+
+
+def _wait_drained(port, timeout_s=30.0) -> pb.ClusterStatus:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = _status(port)
+        if all(w.free_kv_blocks == w.total_kv_blocks and not w.requests_by_state for w in status.workers):
+            for w in status.workers:
+                assert list(w.invariant_violations) == [], (w.worker_id, w.invariant_violations)
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"cluster did not drain: {status}")
+        time.sleep(0.2)
+
+
+def test_1p1d_matches_engine_and_pauses_under_a_small_generation_pool(cluster, model_dir):
+    prompts = _prompts(12, seed=1)
+    cl = cluster(generation_engine=dict(capacity_scheduler_policy="MAX_UTILIZATION", num_kv_blocks=24))
+    results = asyncio.run(_generate_all(cl.port, prompts, 16))
+    assert [t for t, _ in results] == _reference(model_dir, prompts, 16)
+    assert all(last.finish_reason == "length" for _, last in results)
+
+    status = _wait_drained(cl.port)
+    gen = next(w for w in status.workers if w.worker_id == "gen-0")
+    ctx = next(w for w in status.workers if w.worker_id == "ctx-0")
+    assert gen.pauses > 0, "the generation pool was sized to force pauses"
+    assert sum(last.timings.pauses for _, last in results) == gen.pauses
+    # One KV transfer per disaggregated request, on both sides.
+    assert all(last.timings.ctx_worker == "ctx-0" and last.timings.kv_transfer_bytes > 0 for _, last in results)
+    assert dict(ctx.transfers.outcomes) == {"SENT": len(prompts)}
+    assert dict(gen.transfers.outcomes) == {"COMPLETE": len(prompts)}
+
+    # The same figures reach Ray's Prometheus endpoint.
+    text = _scrape_until(lambda t: _metric_sum(t, "ray_pdserve_paused_requests") >= gen.pauses
+                         and _metric_sum(t, "ray_pdserve_kv_transfers", role="generation") >= len(prompts))
+    assert _metric_sum(text, "ray_pdserve_paused_requests") == gen.pauses
+    assert _metric_sum(text, "ray_pdserve_kv_transfers", role="generation") == len(prompts)
+    assert _metric_sum(text, "ray_pdserve_kv_transfers", role="context") == len(prompts)
+
+
+def test_2p2d_matches_engine_and_spreads_work(cluster, model_dir):
+    prompts = _prompts(16, seed=2)
+    cl = cluster(num_context_workers=2, num_generation_workers=2)
+    results = asyncio.run(_generate_all(cl.port, prompts, 12))
+    assert [t for t, _ in results] == _reference(model_dir, prompts, 12)
+    assert {last.timings.ctx_worker for _, last in results} == {"ctx-0", "ctx-1"}
+    assert {last.timings.gen_worker for _, last in results} == {"gen-0", "gen-1"}
+    _wait_drained(cl.port)
+
+
+def test_health_reflection_and_validation(cluster):
+    cl = cluster(num_context_workers=1, num_generation_workers=1)
+
+    async def check():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = set()
+            async for response in call:
+                names |= {s.name for s in response.list_services_response.service}
+                break
+            assert "pdserve.v1.Router" in names
+            stub = router_pb2_grpc.RouterStub(channel)
+            bad = Client.build_request([1, 2, 3], max_tokens=4, top_p=1.5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(bad, timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.top_p" in err.value.details()
+
+    asyncio.run(check())
+
+
+def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
+    # One request in flight at a time: the queue builds, and each dispatch round the agent tree
+    # (agent_percentage 1.0) puts agent requests first, ordered by their node id.
+    cl = cluster(router=RouterConfig(max_inflight=1, agent_types=("AgentDeepResearch",), agent_percentage=1.0))
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            async def one(rid, hierarchy, max_tokens=4):
+                req = Client.build_request([5, 6, 7, 8], max_tokens=max_tokens, request_id=rid,
+                                           agent_hierarchy=hierarchy, **GREEDY)
+                async for _ in stub.Generate(req, timeout=120):
+                    pass
+
+            blocker = asyncio.create_task(one("blocker", [], max_tokens=600))
+            await asyncio.sleep(0.5)  # the blocker is dispatched; everything else queues
+            others = [("chat-1", []), ("agent-n7", [("AgentDeepResearch", 7)]), ("chat-2", []),
+                      ("agent-n3", [("AgentDeepResearch", 3)])]
+            tasks = []
+            for rid, h in others:
+                tasks.append(asyncio.create_task(one(rid, h)))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(blocker, *tasks)
+
+    asyncio.run(run())
+    order = ray.get(cl.router.dispatch_log.remote(), timeout=30)
+    assert order == ["blocker", "agent-n3", "agent-n7", "chat-1", "chat-2"]
+
+
+def test_conditional_disaggregation_sends_short_prompts_to_the_generation_worker(cluster, model_dir):
+    cl = cluster(router=RouterConfig(max_local_prefill_length=8))
+    long_prompt = _prompts(1, seed=4)[0] + list(range(10, 40))
+    short_tail = long_prompt + [9, 9, 9]  # the cached part is long_prompt; 3 new tokens
+    (tokens1, last1), = asyncio.run(_generate_all(cl.port, [long_prompt], 6))
+    assert not last1.timings.local_prefill and last1.timings.ctx_worker == "ctx-0"
+    time.sleep(1.5)  # the router refreshes the workers' cached prefixes
+    (tokens2, last2), = asyncio.run(_generate_all(cl.port, [short_tail], 6))
+    assert last2.timings.local_prefill and last2.timings.ctx_worker == ""
+    assert last2.timings.kv_transfer_bytes == 0
+    assert [tokens1, tokens2] == _reference(model_dir, [long_prompt, short_tail], 6)
+    _wait_drained(cl.port)
+
+
+def test_abort_mid_decode_frees_blocks_on_both_workers(cluster):
+    cl = cluster()
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            req = Client.build_request(_prompts(1, seed=6)[0], max_tokens=900, request_id="long", **GREEDY)
+            call = stub.Generate(req, timeout=120)
+            got, aborted = 0, False
+            async for delta in call:
+                got += len(delta.token_ids)
+                if got >= 4 and not aborted:  # decoding on the generation worker now
+                    aborted = True
+                    reply = await stub.Abort(pb.AbortRequest(request_id="long"), timeout=10)
+                    assert reply.aborted
+                if delta.finish_reason:
+                    assert delta.finish_reason == "abort"
+                    break
+
+    asyncio.run(run())
+    status = _wait_drained(cl.port)
+    assert all(w.quarantined_blocks == 0 for w in status.workers)
+
+
+# ---------------------------------------------------------------------- Prometheus
+
+def _metrics_url() -> str:
+    node = next(n for n in ray.nodes() if n["Alive"])
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+
+def _scrape_until(predicate, timeout_s: float = 40.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(_metrics_url(), timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            text = ""
+        if text and predicate(text):
+            return text
+        time.sleep(1.0)
+    raise AssertionError("metrics did not reach Ray's Prometheus endpoint in time:\n"
+                         + "\n".join(line for line in text.splitlines() if "pdserve" in line)[:3000])
+
+
+def _metric_sum(text: str, name: str, **tags) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:_total)?\{{([^}}]*)\}} ([0-9.e+-]+)$", line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(labels.get(k) == v for k, v in tags.items()):
+            total += float(m.group(2))
+    return total
