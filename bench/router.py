@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     prompts = [[rng.randrange(3, 259) for _ in range(32)] for _ in range(args.requests)]
     model = builtin_model_dir()
 
+    import torch
+
+    torch.set_num_threads(1)  # the worker actors run with one torch thread each, too
     llm = LLM(model, **engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:5], params)
