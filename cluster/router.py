@@ -372,7 +372,8 @@ class Router(router_pb2_grpc.RouterServicer):
         if self.metrics is not None:
             self.metrics.count_prefill(local=False)
         prompt, max_tokens = self._continuation(req)
-        ctx_wire = self._wire(req, prompt, 1, "CONTEXT_ONLY")
+        # A 1-token request ends on the context worker; no generation worker will claim KV.
+        ctx_wire = self._wire(req, prompt, 1, "CONTEXT_ONLY" if max_tokens > 1 else "CONTEXT_AND_GENERATION")
         last = None
         async for update in self._stream(req, ctx_id, ctx_wire):
             last = update

@@ -270,3 +270,34 @@ def _metric_sum(text: str, name: str, **tags) -> float:
         if all(labels.get(k) == v for k, v in tags.items()):
             total += float(m.group(2))
     return total
+
+
+def test_client_cancellation_reaches_the_workers(cluster):
+    cl = cluster()
+
+    async def run():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            req = Client.build_request(_prompts(1, seed=8)[0], max_tokens=900, request_id="gone", **GREEDY)
+            call = stub.Generate(req, timeout=120)
+            got = 0
+            async for delta in call:
+                got += len(delta.token_ids)
+                if got >= 4:
+                    call.cancel()  # the client goes away mid-decode
+                    break
+
+    asyncio.run(run())
+    status = _wait_drained(cl.port)
+    assert status.totals.completed == 0 and status.totals.in_flight == 0
+
+
+def test_one_token_request_finishes_on_the_context_worker(cluster, model_dir):
+    cl = cluster()
+    prompts = _prompts(3, seed=9)
+    results = asyncio.run(_generate_all(cl.port, prompts, 1))
+    assert [t for t, _ in results] == _reference(model_dir, prompts, 1)
+    status = _wait_drained(cl.port)
+    gen = next(w for w in status.workers if w.worker_id == "gen-0")
+    ctx = next(w for w in status.workers if w.worker_id == "ctx-0")
+    assert gen.transfers.count == 0 and ctx.transfers.count == 0  # nothing to hand off
