@@ -74,6 +74,23 @@ def build(n: int, policy: CapacitySchedulerPolicy, seed: int = 0):
     return scheduler, active
 
 
+def profile_step(n: int, policy: CapacitySchedulerPolicy, repeats: int, top: int = 15) -> None:
+    """cProfile over ``repeats`` steps on the benchmark's state; prints the top functions by
+    own time (profiling inflates call-heavy code, so read it for shares, not for timings)."""
+    import cProfile
+    import pstats
+
+    scheduler, active = build(n, policy)
+    scheduler.schedule(active, set())
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        scheduler.schedule(active, set())
+    profiler.disable()
+    print(f"\n--- profile: {n} active, {policy.name}, {repeats} steps ---")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
 def time_step(n: int, policy: CapacitySchedulerPolicy, repeats: int) -> dict:
     scheduler, active = build(n, policy)
     out = scheduler.schedule(active, set())  # warm caches (per-request block keys)
@@ -98,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--repeats", type=int, default=0, help="0 = chosen per size")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="after the table, print a cProfile top list per size and policy",
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
@@ -121,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "scheduler_step", "rows": rows}, f, indent=2)
+    if args.profile:
+        for n in sizes:
+            for policy in CapacitySchedulerPolicy:
+                profile_step(n, policy, args.repeats or max(5, min(200, 20_000 // n)))
     return 0
 
 

@@ -71,7 +71,9 @@ _EMPTY_SUMMARY = PrefixReuseSummary(0, 0, None)
 
 class _KeyCache:
     """Per request and pool kind: chained block keys, plus the last walk's summary tagged with
-    the tree and tree version it was computed against."""
+    the tree and tree version it was computed against. ``count`` is -1 or the (positive) number
+    of full blocks the summary covers, which ``keys`` always holds. The capacity scheduler's
+    plain paths test a cache hit in place, exactly as ``_prefix_summary`` does."""
 
     __slots__ = ("lora", "keys", "tree", "version", "count", "summary")
 
@@ -167,6 +169,10 @@ class KVCacheManager:
 
     def get_num_cached_blocks(self) -> int:
         return self._tree.num_cached
+
+    def sequence_ids(self) -> list[int]:
+        """Ids of every request that holds blocks (for leak checks)."""
+        return list(self._seqs)
 
     def has_sequence(self, request_id: int) -> bool:
         return request_id in self._seqs
@@ -477,6 +483,27 @@ class KVCacheManager:
         summary = PrefixReuseSummary(held, matched, first_new)
         entry.tree, entry.version, entry.count, entry.summary = tree, tree.version, count, summary
         return summary
+
+    def _prefix_summary(self, request: LlmRequest) -> PrefixReuseSummary:
+        """``analyze_prefix_reuse(request.get_tokens(0), request)`` for the schedulers' hot loops:
+        the cache-hit test of ``_analyze`` / ``_key_cache`` done in place (a hit has no side
+        effects there either), the full path otherwise."""
+        tokens = request._beams[0].tokens
+        n = len(tokens)
+        cache = request.block_key_cache
+        if cache is not None and n > 0:
+            entry = cache.get(self._key_ns)
+            if entry is not None:
+                tree = self._tree
+                # entry.count is only ever set to a positive count whose keys the entry holds.
+                if (
+                    entry.tree is tree
+                    and entry.version == tree.version
+                    and entry.count == (n - 1) // self.tokens_per_block
+                    and entry.lora == request.lora_task_id
+                ):
+                    return entry.summary  # type: ignore[return-value]
+        return self._analyze(tokens, n, request)
 
     def _summary_for(self, request: LlmRequest) -> PrefixReuseSummary:
         # No slice copy: only the first prompt_len tokens are read, and only on a cache miss.

@@ -25,6 +25,36 @@ _GEN_FIRST = int(S.DISAGG_GENERATION_TRANS_COMPLETE)
 _GEN_LAST = int(S.GENERATION_TO_COMPLETE)
 assert _CTX_LAST == _CTX_FIRST + 1 and _GEN_FIRST == _CTX_LAST + 1 and _GEN_LAST == _GEN_FIRST + 2
 
+# What a state means to the first pass, per band: one dict lookup per request instead of a chain
+# of comparisons (which are slow on IntEnum members).
+_PASS = 0  # outside the band, or a state no micro-batch takes
+_ENCODER = 1
+_CONTEXT = 2
+_GENERATION = 3
+
+
+class _Kinds(dict):
+    """State -> kind; anything that is not a state member passes, as the comparisons would."""
+
+    def __missing__(self, state: object) -> int:
+        return _PASS
+
+
+def _state_kinds(until: int, after: int) -> _Kinds:
+    kinds = _Kinds()
+    for state in S:
+        if not until <= state < after:
+            kinds[state] = _PASS
+        elif state == _ENCODER_INIT:
+            kinds[state] = _ENCODER
+        elif _CTX_FIRST <= state <= _CTX_LAST:
+            kinds[state] = _CONTEXT
+        elif _GEN_FIRST <= state <= _GEN_LAST:
+            kinds[state] = _GENERATION
+        else:
+            kinds[state] = _PASS
+    return kinds
+
 
 class ContextChunkingPolicy(enum.IntEnum):
     FIRST_COME_FIRST_SERVED = 0
@@ -97,6 +127,8 @@ class MicroBatchScheduler:
         self.max_context_length = max_context_length
         self.no_schedule_until_state = LlmRequestState(no_schedule_until_state)
         self.no_schedule_after_state = LlmRequestState(no_schedule_after_state)
+        self._kinds_band: tuple[int, int] | None = None
+        self._kinds = _Kinds()
 
     def schedule(
         self,
@@ -106,8 +138,11 @@ class MicroBatchScheduler:
         max_num_tokens: int | None,
     ) -> tuple[list[LlmRequest], list[LlmRequest]]:
         inflight = inflight_request_ids or ()
-        until = int(self.no_schedule_until_state)
-        after = int(self.no_schedule_after_state)
+        band = (int(self.no_schedule_until_state), int(self.no_schedule_after_state))
+        if self._kinds_band != band:  # the band attributes are public: rebuilt if reassigned
+            self._kinds = _state_kinds(*band)
+            self._kinds_band = band
+        kinds = self._kinds
         max_ctx = self.max_context_length
         chunk_config = self.ctx_chunk_config
 
@@ -122,27 +157,37 @@ class MicroBatchScheduler:
         chunked_tokens = 0
         count = 0
         scheduled_beam = 0
+        num_drafts = 0  # draft tokens among the contexts to chunk
         all_fit = True
 
         for req in active_requests:
-            state = req.state
-            if not until <= state < after or req.request_id in inflight:
+            kind = kinds[req.state]
+            if kind == _PASS or (inflight and req.request_id in inflight):
                 continue
-            if state == _ENCODER_INIT:
-                cost = req.encoder_output_len
-                if max_ctx is not None and cost > max_ctx:
-                    raise ValueError(
-                        f"request {req.request_id}: {cost} encoder tokens exceed the maximum "
-                        f"context length {max_ctx}"
-                    )
+            if kind == _GENERATION:
+                beam = req.beam_width  # get_beam_width_by_iter(): one width for every iteration
+                drafts = req.draft_tokens
+                cost = beam + (len(drafts) if drafts else 0)
                 if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
                     break
-                encoder_requests.append(req)
+                if scheduled_beam == 0:
+                    scheduled_beam = beam
+                elif beam != scheduled_beam:
+                    # One beam width per batch; a mismatch is skipped and not counted.
+                    continue
+                generation_requests.append(req)
                 batch_tokens += cost
-            elif _CTX_FIRST <= state <= _CTX_LAST:
-                remaining = req.context_remaining_length
-                first = req.context_current_position == req.prepopulated_prompt_len
-                reusable = min(req.estimated_reusable_tokens, remaining) if first else 0
+            elif kind == _CONTEXT:
+                # Request fields read directly (context_remaining_length, is_first_context_chunk,
+                # num_draft_tokens): this loop runs for every fitting request on every step.
+                position = req.context_current_position
+                remaining = req._prompt_len - position
+                if position == req.prepopulated_prompt_len:
+                    reusable = req.estimated_reusable_tokens
+                    if reusable > remaining:
+                        reusable = remaining
+                else:
+                    reusable = 0
                 drafts = req.draft_tokens
                 num_draft = len(drafts) if drafts else 0
                 if chunk_config is None:
@@ -158,8 +203,10 @@ class MicroBatchScheduler:
                     context_requests.append(req)
                     batch_tokens += cost
                 else:
-                    # Tentatively the whole rest of the prompt: the last chunk, so drafts ride along.
-                    cost = reuse_adjusted_compute(remaining, reusable, remaining) + num_draft
+                    # Tentatively the whole rest of the prompt: the last chunk, so drafts ride
+                    # along. reuse_adjusted_compute(remaining, reusable, remaining), where
+                    # reusable <= remaining.
+                    cost = (remaining - reusable if reusable > 0 else remaining) + num_draft
                     if max_ctx is not None and max_ctx < cost:
                         cost = max_ctx
                         all_fit = False
@@ -167,23 +214,18 @@ class MicroBatchScheduler:
                     remainings.append(remaining)
                     reusables.append(reusable)
                     chunked_tokens += cost
-            elif _GEN_FIRST <= state <= _GEN_LAST:
-                beam = req.get_beam_width_by_iter()
-                drafts = req.draft_tokens
-                cost = beam + (len(drafts) if drafts else 0)
+                    num_drafts += num_draft
+            else:  # _ENCODER
+                cost = req.encoder_output_len
+                if max_ctx is not None and cost > max_ctx:
+                    raise ValueError(
+                        f"request {req.request_id}: {cost} encoder tokens exceed the maximum "
+                        f"context length {max_ctx}"
+                    )
                 if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
                     break
-                if scheduled_beam == 0:
-                    scheduled_beam = beam
-                elif beam != scheduled_beam:
-                    # One beam width per batch; a mismatch is skipped and not counted.
-                    continue
-                generation_requests.append(req)
+                encoder_requests.append(req)
                 batch_tokens += cost
-            else:
-                # Only reachable with a widened band (e.g. "until" = ENCODER_INIT): disaggregated
-                # pre-states 7-9 are never part of a micro-batch.
-                continue
             count += 1
             if count >= max_batch_size:
                 break
@@ -196,7 +238,10 @@ class MicroBatchScheduler:
 
         if all_fit:
             for req, remaining in zip(to_chunk, remainings):
-                req.context_chunk_size = remaining
+                if remaining >= 0:  # the context_chunk_size setter without its state check
+                    req._context_chunk_size = remaining
+                else:
+                    req.context_chunk_size = remaining  # rejected there
             context_requests.extend(to_chunk)
             context_requests = _sort_by_lora(context_requests)
         else:
@@ -205,14 +250,20 @@ class MicroBatchScheduler:
             capacity = max_num_tokens - batch_tokens if max_num_tokens is not None else None
             chunks = _size_chunks(
                 to_chunk, remainings, reusables, chunk_config.policy, capacity,
-                chunk_config.chunk_unit_size, max_ctx,
+                chunk_config.chunk_unit_size, max_ctx, fit_drafts=num_drafts > 0,
             )
             # Contexts finishing this step go last, so the executor can move them to the front
             # of the generation list.
             not_last: list[LlmRequest] = []
             last: list[LlmRequest] = []
             for req, chunk, remaining in zip(to_chunk, chunks, remainings):
-                req.context_chunk_size = chunk
+                # The context_chunk_size setter's clamp without its checks: the state is a
+                # context-init one by construction; a negative size goes to the setter, which
+                # rejects it.
+                if chunk >= 0:
+                    req._context_chunk_size = chunk if chunk < remaining else remaining
+                else:
+                    req.context_chunk_size = chunk
                 if chunk > 0:
                     (last if chunk == remaining else not_last).append(req)
             context_requests = _sort_by_lora(not_last) + _sort_by_lora(last)
@@ -253,10 +304,13 @@ def _size_chunks(
     capacity: int | None,
     unit: int,
     max_ctx: int | None,
+    *,
+    fit_drafts: bool = True,
 ) -> list[int]:
     """Chunk size per request (every request gets one, so no reset pass is needed); discards
     the draft tokens that do not fit. ``reusables`` are first-chunk credits, already clamped to
-    the remaining length."""
+    the remaining length. ``fit_drafts=False``: the caller knows no request has draft tokens,
+    so there is nothing to discard."""
     policy = ContextChunkingPolicy.parse(policy)
     if policy == ContextChunkingPolicy.EQUAL_PROGRESS:
         chunks = _chunk_equal_progress(remainings, reusables, capacity, unit, max_ctx)
@@ -264,7 +318,8 @@ def _size_chunks(
         chunks = _chunk_first_come_first_served(remainings, reusables, capacity, unit, max_ctx)
     else:
         chunks = _chunk_forced(requests, remainings, capacity, unit, max_ctx)
-    _fit_draft_tokens(requests, chunks, remainings, reusables, capacity, unit, max_ctx)
+    if fit_drafts:
+        _fit_draft_tokens(requests, chunks, remainings, reusables, capacity, unit, max_ctx)
     return chunks
 
 
@@ -312,17 +367,34 @@ def _chunk_first_come_first_served(
     """In order, each request takes as much of the remaining budget as it can use."""
     chunks: list[int] = []
     for suggested, reusable in zip(remainings, reusables):
+        if reusable <= 0:
+            # No credit: reuse_adjusted_compute(x, reusable, suggested) == x for every x.
+            actual = suggested
+            if capacity is not None and capacity < suggested:
+                actual = capacity if capacity > 0 else 0
+            if max_ctx is not None and actual > max_ctx:
+                actual = max_ctx if max_ctx < suggested else suggested
+            if actual != suggested:
+                actual = actual // unit * unit
+            chunks.append(actual)
+            if capacity is not None:
+                capacity -= actual
+            continue
+        # With credit, reuse_adjusted_compute(x, reusable, suggested) is x for a chunk that ends
+        # before the prompt does (reusable + x < suggested), else ``tail``; the whole remaining
+        # context therefore costs ``tail``.
+        tail = suggested - reusable if suggested > reusable else 0
         actual = suggested
-        if capacity is not None and capacity < reuse_adjusted_compute(suggested, reusable, suggested):
-            actual = max(0, capacity)
-        if max_ctx is not None and reuse_adjusted_compute(actual, reusable, suggested) > max_ctx:
-            actual = min(max_ctx, suggested)
+        if capacity is not None and capacity < tail:
+            actual = capacity if capacity > 0 else 0
+        if max_ctx is not None and (actual if reusable + actual < suggested else tail) > max_ctx:
+            actual = max_ctx if max_ctx < suggested else suggested
         if actual != suggested:
             # A trimmed chunk is not the last one: keep it on the unit grid.
             actual = actual // unit * unit
         chunks.append(actual)
         if capacity is not None:
-            capacity -= reuse_adjusted_compute(actual, reusable, suggested)
+            capacity -= actual if reusable + actual < suggested else tail
     return chunks
 
 
