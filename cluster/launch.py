@@ -4,6 +4,10 @@ there are GPUs, and the router actor (``pdserve-router``) serving gRPC.
 
 Ray binds to 127.0.0.1 when RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set (the embedded default
 sets it). Shutting down kills only pdserve's own actors, never the Ray cluster it joined.
+
+Workers restart: a worker that dies is restarted by Ray (``max_restarts``) in its placement
+bundle; calls in flight on it fail (no task retries: the router decides what to retry), and the
+router's status refresh sees the new incarnation and takes it back.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class LaunchConfig:
     torch_threads: int = 1
     metrics: bool = True
     stall_send_s: float = 0.0  # test hook for fault injection on the context workers
+    max_restarts: int = 3  # per worker actor; -1: without limit
+    connect_timeout_s: float = 10.0  # KV store connect and pair-group rendezvous
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1:
@@ -66,6 +72,13 @@ def builtin_model_dir() -> Path:
     return path
 
 
+def client_auth_env() -> None:
+    """Ray 2.60 turns token auth on for local clusters it starts, but a driver joining an
+    existing cluster only sends the token in token mode: enable it when a token is at hand."""
+    if os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").exists():
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
     """Connect to ``address`` or start an embedded local cluster. Returns True when this call
     started Ray (the caller then owns it and may ``ray.shutdown()``)."""
@@ -75,6 +88,7 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
         return False
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address:
+        client_auth_env()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False
     ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
@@ -133,12 +147,14 @@ def launch(cfg: LaunchConfig) -> Cluster:
         if use_gpu:
             engine.setdefault("device", "cuda")
         options = dict(
-            name=f"pdserve-{worker_id}", namespace=NAMESPACE, max_restarts=0,
+            name=f"pdserve-{worker_id}", namespace=NAMESPACE, max_restarts=cfg.max_restarts,
+            max_task_retries=0,
             max_concurrency=256, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
-                      torch_threads=cfg.torch_threads, metrics=cfg.metrics)
+                      torch_threads=cfg.torch_threads, metrics=cfg.metrics,
+                      connect_timeout_s=cfg.connect_timeout_s)
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
@@ -153,19 +169,20 @@ def launch(cfg: LaunchConfig) -> Cluster:
 
 
 def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
-    """Kill every pdserve actor in ``namespace`` (and nothing else). Returns their names."""
+    """Kill every pdserve actor in ``namespace`` (and nothing else). Returns their names.
+    Uses the GCS's named-actor list, so it needs no dashboard."""
     import ray
-    from ray.util.state import list_actors
 
     killed = []
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
-        name = actor.name or ""
-        if name.startswith("pdserve-") and (actor.ray_namespace in (None, namespace)):
-            try:
-                ray.kill(ray.get_actor(name, namespace=namespace))
-                killed.append(name)
-            except ValueError:
-                pass
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name, ns = entry["name"], entry["namespace"]
+        if ns != namespace or not name.startswith("pdserve-"):
+            continue
+        try:
+            ray.kill(ray.get_actor(name, namespace=ns))
+            killed.append(name)
+        except ValueError:  # gone meanwhile
+            pass
     return killed
 
 
@@ -200,6 +217,12 @@ def _router_actor_class():
 
         async def dispatch_log(self) -> list[str]:
             return list(self.router.dispatch_log)
+
+        async def request_phases(self) -> dict:
+            return self.router.request_phases()
+
+        async def debug_state(self) -> dict:
+            return self.router.debug_state()
 
         async def port(self) -> int:
             return self.router.port

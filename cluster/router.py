@@ -8,16 +8,34 @@ token is streamed at once; a generation-only request with those params goes to a
 worker, which reserves KV, receives it and decodes. Short uncached prompts skip the context
 worker (conditional disaggregation). A failed attempt is retried on another pair or prefilled
 locally on a generation worker, continuing after the tokens the client already has.
+
+Reliability rules:
+- Every worker call and every wait for a worker's update is bounded (worker_call_timeout_s and
+  the request's deadline); each wire request carries the seconds it has left (``deadline_s``),
+  so a worker frees a request whose client is gone even if the router's abort never arrives.
+- A dead worker (Ray actor error) is marked unhealthy at once; Ray restarts it, the status
+  refresh sees a new incarnation and a healthy status, and the worker takes requests again.
+- A request is only ever retried after a worker failure, at most max_retries times, never after
+  its deadline; tokens already streamed are folded into the retry's prompt (and, where that would
+  exceed max_input_len, forced as the first generated tokens), so the client sees no duplicate
+  and no gap.
+- Cancellation (Abort, client disconnect, deadline) aborts every live attempt, including a
+  context attempt whose KV is still leased for the generation side.
+- Health turns NOT_SERVING while a worker reports an invariant violation, the router's own
+  bookkeeping is inconsistent, or no generation worker is healthy.
+- Memory is bounded: the queue (max_queue), requests in flight (max_inflight), the dispatch log.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +58,7 @@ class RouterConfig:
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
     max_retries: int = 2
     worker_call_timeout_s: float = 30.0  # every single worker call or update wait
+    status_timeout_s: float = 5.0  # one worker's status call (a restarting worker is slow)
     default_deadline_s: float = 600.0
     status_refresh_s: float = 0.5
     max_message_bytes: int = 4 << 20
@@ -54,6 +73,23 @@ class WorkerFailure(RuntimeError):
 
 class RequestRejected(ValueError):
     """A worker refused the request itself (validation); retrying elsewhere cannot help."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """A worker ended the attempt at the request's deadline."""
+
+
+class _Failure(NamedTuple):
+    """Put on a request's output queue: Generate ends the call with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+# Where a request is, as the router sees it (request_phases()).
+QUEUED, PREFILL, LOCAL, TRANSFER, DECODE = "queued", "prefill", "local", "transfer", "decode"
+DISPATCH_LOG_LEN = 1000
+WORKER_DEADLINE_GRACE_S = 0.5  # a worker's deadline for an attempt trails the request's
 
 
 @dataclass(slots=True)
@@ -81,6 +117,7 @@ class _Request:
     cached_tokens: int = 0
     cancelled: bool = False
     task: asyncio.Task | None = None
+    phase: str = QUEUED
 
 
 class Router(router_pb2_grpc.RouterServicer):
@@ -128,7 +165,11 @@ class Router(router_pb2_grpc.RouterServicer):
         self.requests: dict[int, _Request] = {}  # internal id -> request (queued or running)
         self.by_external: dict[str, int] = {}
         self.inflight = 0
-        self.dispatch_log: list[str] = []  # external ids in dispatch order (most recent 1,000)
+        # external ids in dispatch order (the most recent ones only)
+        self.dispatch_log: collections.deque[str] = collections.deque(maxlen=DISPATCH_LOG_LEN)
+        self.violations: dict[str, list[str]] = {}  # worker id -> its last reported violations
+        self.restarts: dict[str, int] = {w: 0 for w in infos}
+        self.serving = True
         self.totals = {k: 0 for k in ("received", "completed", "failed", "aborted", "rejected",
                                       "retries", "remote_prefills", "local_prefills")}
         self._ids = itertools.count(1)
@@ -206,16 +247,17 @@ class Router(router_pb2_grpc.RouterServicer):
                 if left <= 0:
                     raise asyncio.TimeoutError
                 item = await asyncio.wait_for(req.out.get(), timeout=left)
-                if isinstance(item, grpc.StatusCode):
-                    code, message = item, await req.out.get()
-                    await context.abort(code, message)
+                if isinstance(item, _Failure):
+                    self._cancel(req, item.message)
+                    self._count_failed()
+                    await context.abort(item.code, item.message)
                 yield item
                 if item.finish_reason:
                     finished = True
                     return
         except asyncio.TimeoutError:
             self._cancel(req, "deadline")
-            self.totals["failed"] += 1
+            self._count_failed()
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {external!r} did not finish within its deadline")
         finally:
@@ -249,6 +291,37 @@ class Router(router_pb2_grpc.RouterServicer):
         await req.out.put(self._final(req, [], "abort"))
         return pb.AbortResponse(aborted=True, detail="aborted")
 
+    def request_phases(self) -> dict[str, dict[str, Any]]:
+        """Every request the router holds: its phase and its live attempts (worker, attempt id)."""
+        return {r.external_id: {"phase": r.phase, "attempts": list(r.attempts)}
+                for r in self.requests.values()}
+
+    def debug_state(self) -> dict[str, Any]:
+        """Sizes of the router's per-request bookkeeping (all 0 when drained), restarts seen,
+        violations (its own and the workers'), and whether health says SERVING."""
+        return {"requests": len(self.requests), "by_external": len(self.by_external),
+                "waiting": len(self.waiting), "inflight": self.inflight,
+                "dispatch_log": len(self.dispatch_log), "restarts": dict(self.restarts),
+                "violations": self.router_violations() + [
+                    f"{w}: {v}" for w, vs in sorted(self.violations.items()) for v in vs],
+                "serving": self.serving, "pid": os.getpid(),
+                "healthy": {w: load.healthy for w, load in sorted(self.loads.items())}}
+
+    def router_violations(self) -> list[str]:
+        """The router's own invariants: counts in range, the two request maps in step, and no
+        queue entry without its request."""
+        out = []
+        if not 0 <= self.inflight <= self.max_inflight:
+            out.append(f"router: in_flight {self.inflight} outside [0, {self.max_inflight}]")
+        if len(self.waiting) > self.config.max_queue:
+            out.append(f"router: {len(self.waiting)} queued > max_queue {self.config.max_queue}")
+        if len(self.requests) != len(self.by_external):
+            out.append(f"router: {len(self.requests)} requests but {len(self.by_external)} ids")
+        stale = [e.request_id for e in self.waiting if e.request_id not in self.requests]
+        if stale:
+            out.append(f"router: queue entries without a request: {stale[:10]}")
+        return out
+
     async def GetClusterStatus(self, request, context):
         statuses = await asyncio.gather(*(self._worker_status(w) for w in sorted(self.workers)))
         totals = pb.RouterTotals(in_flight=self.inflight, **self.totals)
@@ -259,7 +332,7 @@ class Router(router_pb2_grpc.RouterServicer):
     async def _worker_status(self, worker_id: str):
         role = pb.WORKER_ROLE_CONTEXT if self.infos[worker_id]["role"] == "context" else pb.WORKER_ROLE_GENERATION
         try:
-            s = await asyncio.wait_for(self.workers[worker_id].status.remote(), self.config.worker_call_timeout_s)
+            s = await asyncio.wait_for(self.workers[worker_id].status.remote(), self.config.status_timeout_s)
         except Exception as exc:
             return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=False,
                                    invariant_violations=[f"status call failed: {exc!r}"])
@@ -296,18 +369,21 @@ class Router(router_pb2_grpc.RouterServicer):
                 if self.metrics is not None:
                     self.metrics.observe_queue_time(req.dispatched - req.received)
                 self.dispatch_log.append(req.external_id)
-                del self.dispatch_log[:-1000]
                 req.task = asyncio.create_task(self._run(req))
+                # Not in _run's finally: a task cancelled before it first runs never enters it.
+                req.task.add_done_callback(self._run_done)
             self._observe_queue()
 
     async def _run(self, req: _Request) -> None:
         failed: set[tuple[str | None, str]] = set()
+        last_error = ""
         try:
             prompt_info = P.PromptInfo.from_tokens(req.prompt, self.tokens_per_block)
             plan = self._first_plan(req, prompt_info)
             while True:
                 if plan.action == P.RetryAction.GIVE_UP:
-                    await self._fail(req, grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request: {plan.reason}")
+                    await self._fail(req, grpc.StatusCode.UNAVAILABLE,
+                                     f"no worker could serve the request: {plan.reason}{last_error}")
                     return
                 try:
                     if plan.action == P.RetryAction.PAIR:
@@ -316,10 +392,11 @@ class Router(router_pb2_grpc.RouterServicer):
                         await self._local(req, plan.gen_worker)
                     return
                 except WorkerFailure as exc:
-                    if req.cancelled:
-                        return
+                    if req.cancelled or time.monotonic() >= req.deadline:
+                        return  # Generate answers DEADLINE_EXCEEDED; no retry past the deadline
                     log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
                                 plan.ctx_worker, plan.gen_worker, exc)
+                    last_error = f"; last failure: {exc}"
                     failed.add((plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker))
                     plan = P.plan_retry(failed, list(self.loads.values()), prompt_info,
                                         retries_used=req.retries, max_retries=self.config.max_retries,
@@ -335,12 +412,16 @@ class Router(router_pb2_grpc.RouterServicer):
             raise
         except RequestRejected as exc:
             await self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DeadlineExceeded:
+            await self._fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"request {req.external_id!r} did not finish within its deadline")
         except Exception as exc:  # a router bug must not leave the client waiting
             log.exception("request %s failed in the router", req.external_id)
             await self._fail(req, grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
-        finally:
-            self.inflight -= 1
-            self._wake.set()
+
+    def _run_done(self, task: asyncio.Task) -> None:
+        self.inflight -= 1
+        self._wake.set()
 
     def _first_plan(self, req: _Request, prompt_info: P.PromptInfo) -> P.RetryPlan:
         loads = list(self.loads.values())
@@ -366,48 +447,77 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def _remote(self, req: _Request, ctx_id: str, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = ctx_id, gen_id, False
+        req.phase = PREFILL
         self._note_dispatch(ctx_id, len(req.prompt))
         self._note_dispatch(gen_id, 0)
         self.totals["remote_prefills"] += 1
         if self.metrics is not None:
             self.metrics.count_prefill(local=False)
-        prompt, max_tokens = self._continuation(req)
+        prompt, max_tokens, forced = self._continuation(req)
         # A 1-token request ends on the context worker; no generation worker will claim KV.
-        ctx_wire = self._wire(req, prompt, 1, "CONTEXT_ONLY" if max_tokens > 1 else "CONTEXT_AND_GENERATION")
+        kind = "CONTEXT_ONLY" if max_tokens > 1 else "CONTEXT_AND_GENERATION"
+        ctx_wire = self._wire(req, prompt, 1, kind, forced[:1])
         last = None
         async for update in self._stream(req, ctx_id, ctx_wire):
             last = update
-        if last is None or last["finish_reason"] == "error":
-            raise WorkerFailure(f"context worker {ctx_id}: {last and last.get('error')}")
+        self._check_final(last, f"context worker {ctx_id}")
         if last["finish_reason"] == "abort":
             return
         first = last["new_token_ids"]
         cpp = last["context_phase_params"]
-        done_now = cpp is None or max_tokens <= len(first)
+        done_now = cpp is None or max_tokens <= len(forced) + len(first)
         await self._emit(req, first, last["finish_reason"] if done_now else None, last.get("info"))
         if done_now:
             return
-        gen_wire = self._wire(req, prompt, max_tokens, "GENERATION_ONLY")
+        req.phase = TRANSFER
+        gen_wire = self._wire(req, prompt, max_tokens, "GENERATION_ONLY", forced)
         gen_wire["context_phase_params"] = cpp
-        await self._decode(req, gen_id, gen_wire)
+        # The context attempt's KV stays leased until the generation side has it: an attempt
+        # that ends any other way (failure, cancel) gives the lease back at once.
+        leased = (ctx_id, ctx_wire["request_id"])
+        req.attempts.append(leased)
+        done = False
+        try:
+            await self._decode(req, gen_id, gen_wire)
+            done = True
+        finally:
+            if leased in req.attempts:
+                req.attempts.remove(leased)
+                if not done and not req.cancelled:  # a cancel aborted it already
+                    self._abort_attempt(*leased)
 
     async def _local(self, req: _Request, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = "", gen_id, True
+        req.phase = LOCAL
         self._note_dispatch(gen_id, len(req.prompt))
         self.totals["local_prefills"] += 1
         if self.metrics is not None:
             self.metrics.count_prefill(local=True)
-        prompt, max_tokens = self._continuation(req)
-        await self._decode(req, gen_id, self._wire(req, prompt, max_tokens, "CONTEXT_AND_GENERATION"))
+        prompt, max_tokens, forced = self._continuation(req)
+        await self._decode(req, gen_id,
+                           self._wire(req, prompt, max_tokens, "CONTEXT_AND_GENERATION", forced))
 
     async def _decode(self, req: _Request, gen_id: str, wire: dict[str, Any]) -> None:
+        last = None
         async for update in self._stream(req, gen_id, wire):
+            last = update
             reason = update["finish_reason"]
-            if reason == "error":
-                raise WorkerFailure(f"generation worker {gen_id}: {update.get('error')}")
-            if reason == "abort":
-                return
+            if reason in ("error", "deadline", "abort"):
+                break
+            if update["new_token_ids"]:
+                req.phase = DECODE
             await self._emit(req, update["new_token_ids"], reason, update.get("info"))
+        self._check_final(last, f"generation worker {gen_id}")
+
+    @staticmethod
+    def _check_final(last: dict[str, Any] | None, who: str) -> None:
+        """An attempt's stream ended: raise for anything but a finish or an abort."""
+        if last is None or not last["finished"]:
+            raise WorkerFailure(f"{who}: the stream ended without a final update")
+        if last["finish_reason"] == "error":
+            raise WorkerFailure(f"{who}: {last.get('error')}")
+        if last["finish_reason"] == "deadline":
+            raise DeadlineExceeded(who)
 
     async def _stream(self, req: _Request, worker_id: str, wire: dict[str, Any]):
         """A worker's updates for one attempt; every wait bounded by the worker call timeout
@@ -415,6 +525,9 @@ class Router(router_pb2_grpc.RouterServicer):
         attempt = wire["request_id"]
         req.attempts.append((worker_id, attempt))
         handle = self.workers[worker_id]
+        # The worker's own deadline for the attempt: it frees everything once it passes. It
+        # trails the router's, so the router answers DEADLINE_EXCEEDED (and aborts) first.
+        wire["deadline_s"] = max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S
         try:
             gen = handle.generate.remote(wire)
             while True:
@@ -440,21 +553,32 @@ class Router(router_pb2_grpc.RouterServicer):
             if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
                 raise RequestRejected(str(exc.cause)) from exc  # the request, not the worker
             if isinstance(exc, RayActorError):
-                self._mark_unhealthy(worker_id)
+                self._mark_unhealthy(worker_id, f"{type(exc).__name__} on a request")
             raise WorkerFailure(f"{worker_id}: {type(exc).__name__}: {exc}") from exc
         finally:
             if (worker_id, attempt) in req.attempts:
                 req.attempts.remove((worker_id, attempt))
 
-    def _continuation(self, req: _Request) -> tuple[list[int], int]:
-        """A retry continues after what the client already has: streamed tokens join the prompt."""
-        return req.prompt + req.streamed, req.spec.max_tokens - len(req.streamed)
+    def _continuation(self, req: _Request) -> tuple[list[int], int, list[int]]:
+        """A retry continues after what the client already has: streamed tokens join the prompt
+        as far as max_input_len allows; the rest are forced as the first generated tokens (the
+        worker regenerates those positions as exactly these tokens and does not report them).
+        Returns (prompt, max_new_tokens counted from that prompt, forced tokens)."""
+        room = len(req.streamed)
+        if self.limits.max_input_len is not None:
+            room = max(0, min(room, self.limits.max_input_len - len(req.prompt)))
+        prompt = req.prompt + req.streamed[:room]
+        return prompt, req.spec.max_tokens - room, req.streamed[room:]
 
-    def _wire(self, req: _Request, prompt: list[int], max_tokens: int, kind: str) -> dict[str, Any]:
+    def _wire(self, req: _Request, prompt: list[int], max_tokens: int, kind: str,
+              forced: list[int]) -> dict[str, Any]:
         sampling = dict(req.sampling, max_tokens=max_tokens)
-        return {"request_id": next(self._attempt_ids), "prompt": prompt, "max_new_tokens": max_tokens,
+        wire = {"request_id": next(self._attempt_ids), "prompt": prompt, "max_new_tokens": max_tokens,
                 "priority": req.spec.priority, "type": kind,
                 "agent_hierarchy": list(req.spec.agent_hierarchy) or None, "sampling": sampling}
+        if forced:
+            wire["forced_tokens"] = list(forced)
+        return wire
 
     async def _emit(self, req: _Request, tokens: list[int], finish_reason: str | None, info) -> None:
         now = time.monotonic()
@@ -499,11 +623,12 @@ class Router(router_pb2_grpc.RouterServicer):
                                    finish_reason=finish_reason, timings=timings, usage=usage)
 
     async def _fail(self, req: _Request, code: grpc.StatusCode, message: str) -> None:
+        await req.out.put(_Failure(code, message))  # Generate counts it when it answers
+
+    def _count_failed(self) -> None:
         self.totals["failed"] += 1
         if self.metrics is not None:
             self.metrics.count_request("failed")
-        await req.out.put(code)
-        await req.out.put(message)
 
     # ------------------------------------------------------------------ cancellation
 
@@ -535,20 +660,43 @@ class Router(router_pb2_grpc.RouterServicer):
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.status_refresh_s)
-            await self.refresh_loads()
+            try:
+                await self.refresh_loads()
+                await self._update_health()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive any one bad refresh
+                log.exception("status refresh failed")
+
+    async def _update_health(self) -> None:
+        """NOT_SERVING while an invariant is broken or no generation worker is healthy."""
+        broken = self.router_violations() + [v for vs in self.violations.values() for v in vs]
+        any_gen = any(self.loads[g].healthy for g in self.gen_ids)
+        serving = not broken and any_gen
+        if serving != self.serving:
+            self.serving = serving
+            log.warning("router health -> %s (%s)", "SERVING" if serving else "NOT_SERVING",
+                        "; ".join(broken[:5]) or "no healthy generation worker")
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.set(ROUTER_SERVICE_NAME, status)
+            await self.health.set("", status)
 
     async def refresh_loads(self) -> None:
         async def one(worker_id: str) -> None:
             handle = self.workers[worker_id]
             try:
-                s = await asyncio.wait_for(handle.status.remote(), self.config.worker_call_timeout_s)
+                s = await asyncio.wait_for(handle.status.remote(), self.config.status_timeout_s)
                 hashes = frozenset()
                 if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
                     hashes = frozenset(await asyncio.wait_for(handle.cached_block_hashes.remote(),
-                                                              self.config.worker_call_timeout_s))
-            except Exception:
-                self._mark_unhealthy(worker_id)
+                                                              self.config.status_timeout_s))
+                if s.get("incarnation") != self.infos[worker_id].get("incarnation"):
+                    await self._rejoin(worker_id, handle)
+            except Exception as exc:
+                self._mark_unhealthy(worker_id, f"status refresh: {type(exc).__name__}")
                 return
+            self.violations[worker_id] = list(s.get("violations") or ())
             old = self.loads[worker_id]
             self.loads[worker_id] = P.WorkerLoad(
                 worker_id, old.role, active_requests=s["num_active"] + s["queue_depth"],
@@ -558,9 +706,20 @@ class Router(router_pb2_grpc.RouterServicer):
 
         await asyncio.gather(*(one(w) for w in self.workers))
 
-    def _mark_unhealthy(self, worker_id: str) -> None:
+    async def _rejoin(self, worker_id: str, handle) -> None:
+        """A worker came back as a new process (Ray restarted it): take its new info."""
+        info = await asyncio.wait_for(handle.info.remote(), self.config.status_timeout_s)
+        if info["role"] != self.infos[worker_id]["role"]:
+            raise RuntimeError(f"{worker_id} came back with role {info['role']}")
+        self.infos[worker_id] = info
+        self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
+        log.warning("worker %s rejoined (pid %s, incarnation %s)", worker_id, info.get("pid"),
+                    info.get("incarnation"))
+
+    def _mark_unhealthy(self, worker_id: str, why: str = "") -> None:
         old = self.loads.get(worker_id)
         if old is not None and old.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker_id, why)
             self.loads[worker_id] = P.WorkerLoad(worker_id, old.role, healthy=False,
                                                  max_batch_size=old.max_batch_size)
 

@@ -15,10 +15,16 @@ Failure rule: any exception or timeout on a pair poisons its group on that side;
 aborted (the peer's pending ops then fail at once with "connection closed") and the generation
 side rebuilds under a new epoch (fresh store prefix) on the next request. Other pairs have their
 own groups and threads, so one dead peer touches nobody else.
+
+Restarts: a context worker advertises a ``locator`` ("host:port#incarnation"), unique per
+process. When a generation worker sees a new locator for a context worker, or is told that a
+locator is gone, every op for the old one fails at once (no rendezvous with a store that no
+longer exists), and requests still carrying it are refused before they touch the pair.
 """
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections import deque
@@ -40,6 +46,8 @@ from .protocol import (
 SendHook = Callable[[TransferDescriptor, int], None]  # (descriptor, chunk index), sender thread
 RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy-free runs)
 MAX_OUTSTANDING = 16  # posted chunk sends/recvs per op (staged ones are also bounded by staging)
+MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
+INCARNATION_KEY = "pdserve/incarnation"  # set in a context worker's store: whose store it is
 CTX_RANK, GEN_RANK = 0, 1
 
 
@@ -184,6 +192,12 @@ def _header_tensor(device: torch.device, values: list[int] | None = None) -> tor
     if values is None:
         return torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
     return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _incarnation(endpoint: str) -> int:
+    """The incarnation in a locator "host:port#incarnation" (0 for a bare "host:port")."""
+    _, _, inc = endpoint.partition("#")
+    return int(inc) if inc.isdigit() else 0
 
 
 def _why(exc: BaseException) -> str:
@@ -422,6 +436,11 @@ class KVSender:
         self._store = dist.TCPStore(self.config.host, self.config.port, None, True,
                                     _td(self.config.connect_timeout_s), wait_for_workers=False)
         self.endpoint = f"{self.config.host}:{self._store.port}"
+        # A restarted worker may get the same port: the incarnation tells the two apart (and
+        # orders them: a later process has a larger one).
+        self.incarnation = time.time_ns()
+        self.locator = f"{self.endpoint}#{self.incarnation}"
+        self._store.set(INCARNATION_KEY, str(self.incarnation))
         self._pairs: dict[str, _SenderPair] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -545,14 +564,30 @@ class _ReceiverPair:
                           self.epoch)
 
     def set_endpoint(self, endpoint: str) -> None:
-        """A restarted context worker has a new store address: later ops use a new group."""
+        """A restarted context worker has a new store address: later ops use a new group, and
+        the old address is gone for good (one store per context process). An endpoint of an
+        older incarnation than the current one is the one that is gone: the pair stays."""
         with self.cond:
             if endpoint == self.endpoint:
                 return
-            self.endpoint = endpoint
-            doomed = self._reset_locked()
+            if _incarnation(endpoint) < _incarnation(self.endpoint):
+                stale = endpoint
+                doomed = []
+            else:
+                stale, self.endpoint = self.endpoint, endpoint
+                doomed = self._reset_locked()
+        self.owner.mark_gone(stale, _notify_pair=False)
         for op in doomed:
             self.owner.sessions.fail(op.gen_request_id, "context worker moved to a new endpoint")
+
+    def endpoint_gone(self, endpoint: str) -> None:
+        """Fail every queued op: they all target ``endpoint``, which no longer exists."""
+        with self.cond:
+            if endpoint != self.endpoint:
+                return
+            doomed = self._reset_locked()
+        for op in doomed:
+            self.owner.sessions.fail(op.gen_request_id, f"context worker endpoint {endpoint} is gone")
 
     def issue(self, gen_request_id: int) -> KVRequest:
         with self.cond:
@@ -602,11 +637,17 @@ class _ReceiverPair:
             if op.descriptor.group != current:
                 sessions.fail(op.gen_request_id, "pair group was reset before this transfer began")
                 continue
+            if self.owner.is_gone(endpoint):  # no rendezvous with a store that is gone
+                sessions.fail(op.gen_request_id, f"context worker endpoint {endpoint} is gone")
+                self._drop_group(store_too=True)
+                continue
             self._execute(op, endpoint)
 
-    def _poison(self, reason: str) -> None:
+    def _poison(self, reason: str, group: str) -> None:
+        """The op on ``group`` failed. The ops queued behind it are doomed only if that group
+        is still current: after a reset (new endpoint) they belong to a newer group."""
         with self.cond:
-            doomed = self._reset_locked()
+            doomed = self._reset_locked() if group == self.group_name else []
         self._drop_group(store_too=True)
         for op in doomed:
             self.owner.sessions.fail(op.gen_request_id, f"pair group poisoned: {reason}")
@@ -625,11 +666,28 @@ class _ReceiverPair:
         self._drop_group(store_too=endpoint != self.store_endpoint)
         left = min(self.owner.config.connect_timeout_s, deadline.left("rendezvous").total_seconds())
         if self.store is None:
-            host, port = endpoint.rsplit(":", 1)
-            self.store = dist.TCPStore(host, int(port), None, False, _td(left))
-            self.store_endpoint = endpoint
+            host, port = endpoint.split("#", 1)[0].rsplit(":", 1)
+            self._probe(endpoint, host, int(port), left)
+            store = dist.TCPStore(host, int(port), None, False, _td(left))
+            if _incarnation(endpoint) and not (store.check([INCARNATION_KEY]) and int(
+                    store.get(INCARNATION_KEY)) == _incarnation(endpoint)):
+                # another process listens on the port now: the one we want is gone
+                self.owner.mark_gone(endpoint)
+                raise RuntimeError(f"context endpoint {endpoint} is gone (its port was reused)")
+            self.store, self.store_endpoint = store, endpoint
         self.group = _Group(self.store, name, GEN_RANK, self.owner.pool.device, left)
         return self.group
+
+    def _probe(self, endpoint: str, host: str, port: int, timeout_s: float) -> None:
+        """A refused connection means no store listens there any more (its process is gone):
+        fail now and remember it, instead of retrying the connect until the timeout."""
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+        except ConnectionRefusedError:
+            self.owner.mark_gone(endpoint)
+            raise RuntimeError(f"context endpoint {endpoint} refused the connection: gone") from None
+        except OSError:  # slow or unreachable: not proof; the store connect has its own timeout
+            pass
 
     def _execute(self, op: _RecvOp, endpoint: str) -> None:
         d, sessions, rid = op.descriptor, self.owner.sessions, op.gen_request_id
@@ -657,7 +715,7 @@ class _ReceiverPair:
                                      reason=why)
             else:
                 sessions.fail(rid, why)
-            self._poison(why)
+            self._poison(why, d.group)
             return
         if proceed:
             sessions.op_finished(rid, ok=True, nbytes=d.total_bytes,
@@ -728,6 +786,34 @@ class KVReceiver:
         self._pairs: dict[str, _ReceiverPair] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Context endpoints known to be gone (restarted or dead), most recent last; bounded.
+        self._gone: dict[str, None] = {}
+        self._gone_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- peers that went away
+
+    def is_gone(self, endpoint: str) -> bool:
+        with self._gone_lock:
+            return endpoint in self._gone
+
+    def mark_gone(self, endpoint: str, *, _notify_pair: bool = True) -> None:
+        """``endpoint`` (a context worker's locator) will never answer again: queued ops for it
+        fail now and later requests carrying it are refused at once."""
+        with self._gone_lock:
+            self._gone[endpoint] = None
+            while len(self._gone) > MAX_GONE_ENDPOINTS:
+                del self._gone[next(iter(self._gone))]
+        if _notify_pair:
+            with self._lock:
+                pairs = list(self._pairs.values())
+            for pair in pairs:
+                pair.endpoint_gone(endpoint)
+
+    def pair_endpoint(self, ctx_worker_id: str) -> str | None:
+        """The endpoint the pair with this context worker currently uses (None: no pair yet)."""
+        with self._lock:
+            pair = self._pairs.get(ctx_worker_id)
+        return None if pair is None else pair.endpoint
 
     def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
                 ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
@@ -751,8 +837,18 @@ class KVReceiver:
 
     def start(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
               ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
-              num_cached_blocks: int = 0, timeout_s: float | None = None) -> KVRequest:
-        """``reserve`` then ``request``."""
+              num_cached_blocks: int = 0, timeout_s: float | None = None) -> KVRequest | None:
+        """``reserve`` then ``request``. None when ``ctx_endpoint`` is known to be gone: the
+        session is then already failed (``poll`` hands it back) and nothing is to be sent."""
+        if not self.is_gone(ctx_endpoint):
+            self._pair(ctx_worker_id, ctx_endpoint)  # may find ctx_endpoint stale
+        if self.is_gone(ctx_endpoint):
+            self.sessions.reserve(gen_request_id, ctx_worker_id=ctx_worker_id,
+                                  ctx_request_id=ctx_request_id, block_ids=block_ids,
+                                  num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+            self.sessions.fail(gen_request_id, f"context worker endpoint {ctx_endpoint} is gone "
+                                               "(the worker restarted; its KV is lost)")
+            return None
         self.reserve(gen_request_id, ctx_worker_id=ctx_worker_id, ctx_endpoint=ctx_endpoint,
                      ctx_request_id=ctx_request_id, block_ids=block_ids,
                      num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
@@ -800,5 +896,6 @@ class KVReceiver:
             pair = self._pairs.get(ctx_worker_id)
             if pair is None:
                 pair = self._pairs[ctx_worker_id] = _ReceiverPair(self, ctx_worker_id, endpoint)
-        pair.set_endpoint(endpoint)
+        if not self.is_gone(endpoint):  # a stale endpoint never moves the pair back
+            pair.set_endpoint(endpoint)
         return pair

@@ -5,16 +5,26 @@ in the dashboard's task view).
 
 The actor classes themselves (``context_worker.py``, ``generation_worker.py``) only pick the
 role; Ray's decorator is applied there.
+
+Faults: Ray restarts a dead worker (``max_restarts``); the new process has a new incarnation and
+a new KV endpoint, which travels to generation workers inside the context-phase params. A KV
+control message addressed to a previous incarnation's endpoint is refused with ENDPOINT_GONE,
+and the generation side then fails every transfer still aimed at it instead of waiting for a
+store that no longer exists. If the step loop itself dies the process exits, so Ray restarts it.
+Wire requests carry ``deadline_s`` (seconds left when sent); the executor aborts a request past
+it. ``test_hook`` injects faults for tests (stalled sends, leaked blocks).
 """
 from __future__ import annotations
 
 import collections
 import logging
 import os
+import threading
 import time
 from typing import Any, Iterator
 
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
+from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
 
 from .config import EngineConfig
 from .engine import build_executor
@@ -27,6 +37,11 @@ log = logging.getLogger("pdserve.worker")
 NAMESPACE = "pdserve"
 # Cached-prefix hashes advertised to the router's kv_cache_aware policy (most recent first).
 MAX_ADVERTISED_HASHES = 50_000
+# Reason prefix of a KV request refused because it was meant for a previous incarnation.
+ENDPOINT_GONE = "endpoint gone: "
+# Longest wait for one update of a request without a deadline.
+UPDATE_WAIT_S = 600.0
+FATAL_EXIT_DELAY_S = 1.0  # lets the error updates reach the router before the process exits
 
 
 def actor_name(worker_id: str) -> str:
@@ -76,6 +91,7 @@ class WorkerActorBase:
         torch_threads: int | None = None,
         metrics: bool = True,
         stall_send_s: float = 0.0,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         import torch
 
@@ -84,24 +100,29 @@ class WorkerActorBase:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
+        self.incarnation = time.time_ns()
         self.config = EngineConfig.from_kwargs(engine)
         self.transfer_timeout_s = transfer_timeout_s
+        self._stall_send_s = stall_send_s  # test hook; changed at run time by test_hook
         self._ctx_handles: dict[str, Any] = {}
         self._hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
 
         def transceiver_factory(pool) -> KVTransceiver:
             sender = receiver = None
             if self.role == "context":
-                hook = None
-                if stall_send_s > 0:  # fault injection for tests: stall each send
-                    def hook(descriptor, chunk_index, _s=stall_send_s):
-                        if chunk_index == 0:
-                            time.sleep(_s)
+                def hook(descriptor, chunk_index):  # fault injection for tests: stall each send
+                    # Re-read while waiting, so turning the stall off releases a stalled send.
+                    start = time.monotonic()
+                    while chunk_index == 0 and time.monotonic() - start < self._stall_send_s:
+                        time.sleep(0.01)
+
                 sender = KVSender(worker_id, pool, send_hook=hook,
-                                  config=TransportConfig(default_timeout_s=lease_s))
+                                  config=TransportConfig(default_timeout_s=lease_s,
+                                                         connect_timeout_s=connect_timeout_s))
             else:
                 receiver = KVReceiver(worker_id, pool,
-                                      config=TransportConfig(default_timeout_s=transfer_timeout_s))
+                                      config=TransportConfig(default_timeout_s=transfer_timeout_s,
+                                                             connect_timeout_s=connect_timeout_s))
             return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,
                                  transfer_timeout_s=transfer_timeout_s)
 
@@ -113,7 +134,8 @@ class WorkerActorBase:
 
             self.metrics = WorkerMetrics(self.role, worker_id)
         self.loop = WorkerLoop(self.executor, name=worker_id, deliver=self._deliver,
-                               on_step=self._on_step).start()
+                               on_step=self._on_step, route_by_endpoint=True,
+                               on_fatal=self._on_fatal).start()
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, self.executor.kv.num_blocks,
                  self.config.tokens_per_block)
 
@@ -132,17 +154,26 @@ class WorkerActorBase:
             "max_seq_len": self.executor.max_seq_len,
             "vocab_size": cfg.vocab_size,
             "endpoint": self.executor.transceiver.endpoint,
+            "incarnation": self.incarnation,
         }
 
-    def generate(self, wire: dict[str, Any], timeout_s: float = 600.0) -> Iterator[dict[str, Any]]:
-        """Streams the request's updates (a Ray streaming generator)."""
+    def generate(self, wire: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Streams the request's updates (a Ray streaming generator). ``wire["deadline_s"]``:
+        seconds the request has left; the executor aborts it once they are up."""
         request, params = request_from_wire(wire)
-        stream = self.loop.submit(request, params)
+        deadline = None
+        if wire.get("deadline_s") is not None:
+            deadline = time.monotonic() + float(wire["deadline_s"])
+        stream = self.loop.submit(request, params, deadline=deadline,
+                                  forced_tokens=wire.get("forced_tokens") or ())
         if self.config.enable_block_reuse:
             # Prefilled or received, the prompt's full blocks end up in this worker's cache.
             self._advertise(request.get_prompt_tokens())
         while not stream.finished:
-            yield update_to_wire(stream.get(timeout_s))
+            wait = UPDATE_WAIT_S
+            if deadline is not None:  # the executor ends it at the deadline; allow a margin
+                wait = min(wait, max(0.0, deadline - time.monotonic()) + 30.0)
+            yield update_to_wire(stream.get(wait))
 
     def abort(self, request_id: int) -> bool:
         return self.loop.abort(request_id)
@@ -151,14 +182,43 @@ class WorkerActorBase:
         status = self.loop.status()
         status.update(worker_id=self.worker_id, role=self.role, healthy=self.loop.alive,
                       max_batch_size=self.config.max_batch_size,
-                      tokens_per_block=self.config.tokens_per_block)
+                      tokens_per_block=self.config.tokens_per_block, pid=os.getpid(),
+                      incarnation=self.incarnation)
         return status
+
+    def request_states(self) -> dict[int, str]:
+        """Every live request's state (see Executor.request_states), keyed by request id."""
+        return self.loop.call(self.executor.request_states)  # type: ignore[return-value]
+
+    def test_hook(self, name: str, *args: Any) -> Any:
+        """Fault injection for tests. ``stall_send(seconds)``: each KV send stalls that long
+        after its header (0 turns it off). ``leak_blocks(request_id, num_tokens)``: blocks held
+        by no live request (an invariant violation). ``release_leak(request_id)``."""
+        if name == "stall_send":
+            self._stall_send_s = float(args[0])
+            return self._stall_send_s
+        if name == "leak_blocks":
+            rid, num_tokens = int(args[0]), int(args[1])
+            kv = self.executor.kv
+            return self.loop.call(lambda: kv.add_sequence(LlmRequest(rid, [0] * num_tokens, 1)))
+        if name == "release_leak":
+            rid = int(args[0])
+            return self.loop.call(lambda: self.executor.kv.remove_sequence(rid))
+        raise ValueError(f"unknown test hook {name!r}")
 
     def cached_block_hashes(self) -> list[int]:
         return list(self._hashes)
 
-    def kv_transfer(self, payload: bytes) -> bytes | None:
-        """Runs in the "transfer" concurrency group: returns when the bytes have landed."""
+    def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
+        """Runs in the "transfer" concurrency group: returns when the bytes have landed.
+        ``endpoint``: the KV endpoint the sender meant; another incarnation's is refused."""
+        own = self.executor.transceiver.endpoint
+        if endpoint is not None and endpoint != own:
+            msg = decode_message(payload)
+            if isinstance(msg, KVRequest):
+                return encode_message(TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                                   ENDPOINT_GONE + endpoint, 0, 0.0))
+            return None  # a cancel for a previous incarnation: nothing of it is left here
         return self.loop.handle_kv_control(payload)
 
     def ping(self) -> str:
@@ -169,18 +229,32 @@ class WorkerActorBase:
 
     # ------------------------------------------------------------------ internals
 
-    def _deliver(self, ctx_worker_id: str, payload: bytes) -> bytes | None:
+    def _deliver(self, ctx_worker_id: str, payload: bytes, endpoint: str) -> bytes | None:
         import ray
+        from ray.exceptions import ActorDiedError
 
+        receiver = self.executor.transceiver.receiver
         handle = self._ctx_handles.get(ctx_worker_id)
         if handle is None:
             handle = ray.get_actor(actor_name(ctx_worker_id), namespace=NAMESPACE)
             self._ctx_handles[ctx_worker_id] = handle
         try:
-            return ray.get(handle.kv_transfer.remote(payload), timeout=self.transfer_timeout_s + 15.0)
+            reply = ray.get(handle.kv_transfer.remote(payload, endpoint),
+                            timeout=self.transfer_timeout_s + 15.0)
+        except ActorDiedError:  # dead for good (no restarts left): so is its endpoint
+            self._ctx_handles.pop(ctx_worker_id, None)
+            receiver.mark_gone(endpoint)
+            raise
         except Exception:
             self._ctx_handles.pop(ctx_worker_id, None)  # a restarted actor gets a fresh handle
             raise
+        if reply:
+            done = decode_message(reply)
+            if isinstance(done, TransferDone) and done.reason.startswith(ENDPOINT_GONE):
+                log.warning("%s: context worker %s restarted; endpoint %s is gone",
+                            self.worker_id, ctx_worker_id, endpoint)
+                receiver.mark_gone(endpoint)
+        return reply
 
     def _advertise(self, prompt: list[int]) -> None:
         from pdserve.cluster.policies import block_hashes
@@ -194,3 +268,13 @@ class WorkerActorBase:
     def _on_step(self, updates) -> None:
         if self.metrics is not None:
             self.metrics.observe(self.executor)
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        """The step loop died: exit, so Ray restarts this worker with a fresh state."""
+        log.critical("%s: step loop died (%r); exiting for a restart", self.worker_id, exc)
+
+        def exit_later() -> None:
+            time.sleep(FATAL_EXIT_DELAY_S)
+            os._exit(1)
+
+        threading.Thread(target=exit_later, name="pdserve-fatal-exit", daemon=True).start()

@@ -16,8 +16,8 @@ class ContextWorker(WorkerActorBase):
     role = "context"
 
     @ray.method(concurrency_group="transfer")
-    def kv_transfer(self, payload: bytes) -> bytes | None:
-        return WorkerActorBase.kv_transfer(self, payload)
+    def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
+        return WorkerActorBase.kv_transfer(self, payload, endpoint)
 
     @ray.method(concurrency_group="control")
     def abort(self, request_id: int) -> bool:
@@ -30,6 +30,14 @@ class ContextWorker(WorkerActorBase):
     @ray.method(concurrency_group="control")
     def cached_block_hashes(self) -> list[int]:
         return WorkerActorBase.cached_block_hashes(self)
+
+    @ray.method(concurrency_group="control")
+    def request_states(self) -> dict:
+        return WorkerActorBase.request_states(self)
+
+    @ray.method(concurrency_group="control")
+    def test_hook(self, name: str, *args):
+        return WorkerActorBase.test_hook(self, name, *args)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> str:

@@ -4,7 +4,8 @@ Per step: schedule (capacity, then micro-batch) -> pause what the capacity pass 
 KV, fold its tokens into the prompt) -> allocate KV for first chunks (prefix reuse moves the
 chunk past the cached part) and grow decode sequences -> one forward over the flat batch ->
 sample the rows that produce a token -> advance chunks and states, store finished contexts'
-blocks for reuse -> free finished or aborted requests.
+blocks for reuse -> free finished or aborted requests. A request past its deadline is aborted at
+the start of a step (finish reason "deadline"), which frees everything it holds.
 
 The request bookkeeping is the same pure code the simulated worker runs
 (``pdserve.scheduler.lifecycle``); this module adds the tensors.
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -64,9 +66,11 @@ class ExecutorStats:
     context_tokens: int = 0
     generated_tokens: int = 0
     pauses: int = 0
-    paused_request_ids: list[int] = field(default_factory=list)
+    # The most recent paused ids (bounded so a long-running worker does not grow).
+    paused_request_ids: deque[int] = field(default_factory=lambda: deque(maxlen=10_000))
     finished: int = 0
     aborted: int = 0
+    deadlines_exceeded: int = 0
 
 
 @dataclass(slots=True)
@@ -76,6 +80,7 @@ class _Tracked:
     params: SamplingParams
     emitted: list[int] = field(default_factory=list)  # generated tokens already reported
     finish_reason: str | None = None
+    deadline: float | None = None  # on the executor's clock
 
 
 class Executor:
@@ -91,6 +96,7 @@ class Executor:
         vocab_size: int,
         max_seq_len: int,
         transceiver: KVTransceiver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -140,14 +146,29 @@ class Executor:
         self.stats = ExecutorStats()
         self.transceiver = transceiver
         self._device = kv_pool.device
+        self._clock = clock
+        self._num_deadlines = 0  # tracked requests that have a deadline
 
     # ------------------------------------------------------------------ admission
 
-    def add_request(self, request: LlmRequest, params: SamplingParams) -> None:
-        """Validates against the model and the pool; raises ValueError naming the field."""
+    def add_request(self, request: LlmRequest, params: SamplingParams, *,
+                    deadline: float | None = None, forced_tokens: Sequence[int] = ()) -> None:
+        """Validates against the model and the pool; raises ValueError naming the field.
+
+        ``deadline`` (on the executor's clock): past it the request is aborted with finish reason
+        "deadline" and everything it holds is freed. ``forced_tokens``: tokens the client already
+        has for the positions right after the prompt (a retry whose continuation did not fit in
+        max_input_len); they are regenerated as these tokens and not reported again. They count
+        toward max_new_tokens."""
         if request.request_id in self.tracked:
             raise ValueError(f"request_id {request.request_id} is already active")
         params.validate(self.vocab_size)
+        forced = [int(t) for t in forced_tokens]
+        if any(not 0 <= t < self.vocab_size for t in forced):
+            raise ValueError(f"forced_tokens are outside the vocabulary [0, {self.vocab_size})")
+        if len(forced) > request.max_new_tokens:
+            raise ValueError(f"forced_tokens ({len(forced)}) exceed max_new_tokens "
+                             f"({request.max_new_tokens})")
         prompt = request.get_prompt_tokens()
         if len(prompt) > self.max_input_len:
             raise ValueError(
@@ -164,32 +185,37 @@ class Executor:
             raise ValueError(
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
-        tracked = _Tracked(request, RequestSampler(params, self._device), params)
+        tracked = _Tracked(request, RequestSampler(params, self._device), params, forced,
+                           deadline=deadline)
         if request.is_generation_only_request:
             cpp = request.context_phase_params
             if self.transceiver is None or self.transceiver.receiver is None:
                 raise ValueError("generation-only requests need a worker with a KV receiver")
             if cpp is None or len(cpp.first_gen_tokens) != request.beam_width:
                 raise ValueError("context_phase_params must carry the first generated token")
+            if forced and forced[0] != cpp.first_gen_tokens[0]:
+                raise ValueError("forced_tokens must start with the context phase's first token")
             # The context worker's first token reached the client through the router already.
-            tracked.emitted = list(cpp.first_gen_tokens)
+            tracked.emitted = forced or list(cpp.first_gen_tokens)
         elif request.is_context_only_request and (
             self.transceiver is None or self.transceiver.sender is None
         ):
             raise ValueError("context-only requests need a worker with a KV sender")
         self.tracked[request.request_id] = tracked
+        self._num_deadlines += deadline is not None
         insert_request_in_order(self.waiting, request)
 
-    def abort(self, request_id: int) -> RequestUpdate | None:
+    def abort(self, request_id: int, reason: str = "abort") -> RequestUpdate | None:
         """Frees everything the request holds. Returns its final update, or None if unknown."""
-        tracked = self.tracked.pop(request_id, None)
+        error = "deadline exceeded" if reason == "deadline" else None
+        tracked = self._untrack(request_id)
         if tracked is None:
             handed_off = self.transceiver.transmitting.get(request_id) if self.transceiver else None
             if handed_off is None:
                 return None
             self.transceiver.abort(handed_off, self.kv)  # blocks freed once the send is quiet
             self.stats.aborted += 1
-            return RequestUpdate(request_id, [], True, "abort")
+            return RequestUpdate(request_id, [], True, reason, None, error)
         request = tracked.request
         for queue in (self.waiting, self.active):
             if request in queue:
@@ -197,8 +223,52 @@ class Executor:
         # A receive in flight keeps its blocks until the transport says it is quiet.
         if self.transceiver is None or not self.transceiver.abort(request, self.kv):
             lifecycle.finish_request(request, self.kv)
+        if self.transceiver is not None:
+            self.transceiver.received.pop(request_id, None)
         self.stats.aborted += 1
-        return RequestUpdate(request_id, [], True, "abort")
+        return RequestUpdate(request_id, [], True, reason, None, error)
+
+    def request_states(self) -> dict[int, str]:
+        """Every live request's state name; a generation request whose KV is on the way shows
+        its transport session state instead (RESERVED, REQUESTED, RECEIVING)."""
+        t = self.transceiver
+        out: dict[int, str] = {}
+        for r in self.active + self.waiting:
+            name = r.state.name
+            if t is not None and r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+                name = t.receive_state(r.request_id) or name
+            out[r.request_id] = name
+        if t is not None:
+            for rid, r in list(t.transmitting.items()) + list(t.draining.items()):
+                out[rid] = r.state.name
+        return out
+
+    def _untrack(self, request_id: int) -> _Tracked | None:
+        tracked = self.tracked.pop(request_id, None)
+        if tracked is not None and tracked.deadline is not None:
+            self._num_deadlines -= 1
+        return tracked
+
+    def _expire_deadlines(self) -> list[RequestUpdate]:
+        if not self._num_deadlines:
+            return []
+        now = self._clock()
+        expired = [rid for rid, t in self.tracked.items()
+                   if t.deadline is not None and now >= t.deadline]
+        updates = []
+        for rid in expired:
+            log.info("request %d: deadline exceeded, aborted", rid)
+            update = self.abort(rid, reason="deadline")
+            if update is not None:
+                self.stats.deadlines_exceeded += 1
+                updates.append(update)
+        return updates
+
+    def _time_left(self, request_id: int) -> float | None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None or tracked.deadline is None:
+            return None
+        return tracked.deadline - self._clock()
 
     @property
     def has_work(self) -> bool:
@@ -212,9 +282,9 @@ class Executor:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = self._expire_deadlines()
         self.active.extend(self.waiting)
         self.waiting.clear()
-        updates: list[RequestUpdate] = []
         if self.transceiver is not None:
             updates.extend(self._poll_transfers())
         t0 = time.perf_counter()
@@ -222,7 +292,8 @@ class Executor:
         self.stats.schedule_seconds += time.perf_counter() - t0
         self._pause(out.paused_requests)
         for request in out.fitting_disagg_gen_init_requests:
-            self.transceiver.start_receive(request, self.kv)
+            self.transceiver.start_receive(request, self.kv,
+                                           timeout_s=self._time_left(request.request_id))
 
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
@@ -276,7 +347,11 @@ class Executor:
             "steps": self.stats.steps,
             "finished": self.stats.finished,
             "aborted": self.stats.aborted,
+            "deadlines_exceeded": self.stats.deadlines_exceeded,
             "quarantined_blocks": t.num_quarantined_blocks if t is not None else 0,
+            "transfer_sessions": t.num_in_flight_sessions if t is not None else 0,
+            # Per-request bookkeeping; all 0 on a drained worker (memory stays bounded).
+            "tracked": len(self.tracked) + (len(t.received) if t is not None else 0),
             "transfers": {
                 "sent": ts.sent, "received": ts.received, "failed": ts.failed,
                 "leases_expired": ts.leases_expired, "bytes_sent": ts.bytes_sent,
@@ -296,7 +371,7 @@ class Executor:
         updates = []
         for request, reason in failed:
             self.active.remove(request)
-            self.tracked.pop(request.request_id, None)
+            self._untrack(request.request_id)
             log.warning("request %d: KV transfer failed: %s", request.request_id, reason)
             updates.append(RequestUpdate(request.request_id, [], True, "error", None,
                                          f"KV transfer failed: {reason}"))
@@ -368,17 +443,19 @@ class Executor:
         elif lifecycle.reached_max_tokens(request):
             reason = "length"
         if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS and reason in (None, "length"):
-            # Context-only: the slot is freed now, the blocks stay leased for the generation side.
+            # Context-only: the slot is freed now, the blocks stay leased for the generation side
+            # (never past the request's deadline).
+            lease_s = self._time_left(request.request_id)
             self.active.remove(request)
-            del self.tracked[request.request_id]
+            self._untrack(request.request_id)
             info = self._request_info(request)
-            params = self.transceiver.hand_off(request, self.kv, token)
+            params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
             return RequestUpdate(request.request_id, new, True, "length", params, None, info)
         if reason is None:
             return RequestUpdate(request.request_id, new, False, None)
         tracked.finish_reason = reason
         self.active.remove(request)
-        del self.tracked[request.request_id]
+        self._untrack(request.request_id)
         info = self._request_info(request)
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1

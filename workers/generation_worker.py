@@ -28,5 +28,13 @@ class GenerationWorker(WorkerActorBase):
         return WorkerActorBase.cached_block_hashes(self)
 
     @ray.method(concurrency_group="control")
+    def request_states(self) -> dict:
+        return WorkerActorBase.request_states(self)
+
+    @ray.method(concurrency_group="control")
+    def test_hook(self, name: str, *args):
+        return WorkerActorBase.test_hook(self, name, *args)
+
+    @ray.method(concurrency_group="control")
     def ping(self) -> str:
         return "pong"

@@ -77,28 +77,32 @@ class KVTransceiver:
         self.draining: dict[int, LlmRequest] = {}
         # Generation side: request id -> (bytes, seconds) of its completed receive, until finish.
         self.received: dict[int, tuple[int, float]] = {}
-        # (ctx worker id, encoded control message) for the driver to deliver; replies come back
-        # through ``deliver_reply`` from any thread.
-        self.outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        # (ctx worker id, encoded control message, the ctx endpoint it is meant for) for the
+        # driver to deliver; replies come back through ``deliver_reply`` from any thread.
+        self.outbox: queue.SimpleQueue[tuple[str, bytes, str]] = queue.SimpleQueue()
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ context side
 
     @property
     def endpoint(self) -> str | None:
-        return self.sender.endpoint if self.sender is not None else None
+        """This worker's KV endpoint as generation workers address it: unique per process."""
+        return self.sender.locator if self.sender is not None else None
 
-    def hand_off(self, request: LlmRequest, kv, first_token: int) -> ContextPhaseParams:
-        """A context-only request finished its prefill: lease its blocks and describe them."""
+    def hand_off(self, request: LlmRequest, kv, first_token: int, *,
+                 lease_s: float | None = None) -> ContextPhaseParams:
+        """A context-only request finished its prefill: lease its blocks and describe them.
+        ``lease_s`` (the request's remaining deadline) shortens the lease, never lengthens it."""
         if self.sender is None:
             raise RuntimeError("context-only request on a worker without a KV sender")
         block_ids = kv.get_block_ids(request.request_id)
-        self.sender.hold(request.request_id, block_ids, lease_s=self.lease_s)
+        lease = self.lease_s if lease_s is None else max(0.0, min(self.lease_s, lease_s))
+        self.sender.hold(request.request_id, block_ids, lease_s=lease)
         self.transmitting[request.request_id] = request
         return ContextPhaseParams(
             ctx_request_id=request.request_id,
             first_gen_tokens=[first_token],
-            opaque_state=self.sender.endpoint.encode(),
+            opaque_state=self.sender.locator.encode(),
             draft_tokens=None,
             prompt_token_ids=list(request.get_prompt_tokens()),
             ctx_worker_id=self.worker_id,
@@ -107,9 +111,11 @@ class KVTransceiver:
 
     # ------------------------------------------------------------------ generation side
 
-    def start_receive(self, request: LlmRequest, kv) -> None:
+    def start_receive(self, request: LlmRequest, kv, *, timeout_s: float | None = None) -> None:
         """For a request the capacity scheduler reserved: allocate (the reservation), skip what the
-        own prefix cache holds, and ask the context worker for the rest."""
+        own prefix cache holds, and ask the context worker for the rest. ``timeout_s`` (the
+        request's remaining deadline) shortens the transfer deadline, never lengthens it. A
+        context endpoint known to be gone fails the transfer at once (handed back by ``poll``)."""
         if self.receiver is None:
             raise RuntimeError("generation-only request on a worker without a KV receiver")
         params = request.context_phase_params
@@ -117,16 +123,20 @@ class KVTransceiver:
             raise ValueError(f"request {request.request_id} lacks context phase params")
         lifecycle.reserve_generation_init(request, kv)
         cached_blocks = request.prepopulated_prompt_len // kv.tokens_per_block
+        endpoint = params.opaque_state.decode()
+        timeout = self.transfer_timeout_s if timeout_s is None else max(
+            1e-3, min(self.transfer_timeout_s, timeout_s))
         kv_request = self.receiver.start(
             request.request_id,
             ctx_worker_id=params.ctx_worker_id,
-            ctx_endpoint=params.opaque_state.decode(),
+            ctx_endpoint=endpoint,
             ctx_request_id=params.ctx_request_id,
             block_ids=kv.get_block_ids(request.request_id),
             num_cached_blocks=cached_blocks,
-            timeout_s=self.transfer_timeout_s,
+            timeout_s=timeout,
         )
-        self.outbox.put((params.ctx_worker_id, encode_message(kv_request)))
+        if kv_request is not None:
+            self.outbox.put((params.ctx_worker_id, encode_message(kv_request), endpoint))
 
     def deliver_reply(self, payload: bytes | None) -> None:
         """Thread-safe: the context worker's answer to a KV request."""
@@ -188,10 +198,25 @@ class KVTransceiver:
             cancel = self.receiver.cancel(rid, "aborted")
             if cancel is not None:
                 params = request.context_phase_params
-                self.outbox.put((params.ctx_worker_id, encode_message(cancel)))
+                self.outbox.put((params.ctx_worker_id, encode_message(cancel),
+                                 params.opaque_state.decode()))
             self.draining[rid] = request
             return True
         return False
+
+    def receive_state(self, request_id: int) -> str | None:
+        """The transport session's state name of a generation request (e.g. RECEIVING while
+        its payload lands), None when it has no live session."""
+        if self.receiver is None:
+            return None
+        state = self.receiver.sessions.state_of(request_id)
+        return None if state is None else state.name
+
+    @property
+    def num_in_flight_sessions(self) -> int:
+        """Live or quarantined transport sessions on both sides (0 once everything is quiet)."""
+        return sum(side.sessions.num_active for side in (self.sender, self.receiver)
+                   if side is not None)
 
     @property
     def num_quarantined_blocks(self) -> int:

@@ -3,17 +3,23 @@
 
 Everything that touches the executor runs on the loop thread: submissions and aborts are
 commands queued to it. KV control messages the executor emits (its transceiver's outbox) are
-delivered on a small thread pool through ``deliver(ctx_worker_id, payload) -> reply``, and
-replies go back through the transceiver's thread-safe inbox. A failed delivery fails the
-transfer at once instead of letting it run into its deadline.
+delivered on a small thread pool through ``deliver(ctx_worker_id, payload) -> reply`` (with
+``route_by_endpoint``: ``deliver(ctx_worker_id, payload, endpoint)``, so a restarted context
+worker can refuse messages meant for its previous incarnation), and replies go back through the
+transceiver's thread-safe inbox. A failed delivery fails the transfer at once instead of letting
+it run into its deadline.
+
+An abort can overtake its submission (they travel on different channels): the id is remembered
+(bounded) and a later submission with it finishes at once as aborted, so nothing runs unowned.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Sequence
 
 from pdserve.scheduler import LlmRequest
 from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
@@ -23,7 +29,8 @@ from .sampling import SamplingParams
 
 log = logging.getLogger("pdserve.worker_loop")
 
-Deliver = Callable[[str, bytes], "bytes | None"]
+Deliver = Callable[..., "bytes | None"]
+MAX_TOMBSTONES = 10_000  # aborted ids that were unknown when the abort came (bounded memory)
 
 
 class RequestStream:
@@ -63,12 +70,17 @@ class WorkerLoop:
         deliver: Deliver | None = None,
         idle_wait_s: float = 0.05,
         on_step: Callable[[list[RequestUpdate]], None] | None = None,
+        route_by_endpoint: bool = False,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.executor = executor
         self.on_step = on_step  # e.g. metrics; runs on the loop thread after every step
+        self.on_fatal = on_fatal  # the loop died: e.g. exit the process so it is restarted
         self.name = name
         self.deliver = deliver
+        self.route_by_endpoint = route_by_endpoint
         self.idle_wait_s = idle_wait_s
+        self._tombstones: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream] = {}
         self._stop = threading.Event()
@@ -95,12 +107,19 @@ class WorkerLoop:
 
     # ------------------------------------------------------------------ thread-safe API
 
-    def submit(self, request: LlmRequest, params: SamplingParams, timeout_s: float = 30.0) -> RequestStream:
-        """Queue a request; raises ValueError (from validation) synchronously."""
+    def submit(self, request: LlmRequest, params: SamplingParams, timeout_s: float = 30.0, *,
+               deadline: float | None = None, forced_tokens: Sequence[int] = ()) -> RequestStream:
+        """Queue a request; raises ValueError (from validation) synchronously. ``deadline`` is
+        a time.monotonic() value; see Executor.add_request."""
         stream = RequestStream(request.request_id)
 
         def add() -> None:
-            self.executor.add_request(request, params)
+            if request.request_id in self._tombstones:  # aborted before it arrived
+                del self._tombstones[request.request_id]
+                stream.put(RequestUpdate(request.request_id, [], True, "abort"))
+                return
+            self.executor.add_request(request, params, deadline=deadline,
+                                      forced_tokens=forced_tokens)
             self._streams[request.request_id] = stream
 
         self._call(add, timeout_s)
@@ -110,11 +129,18 @@ class WorkerLoop:
         def do() -> bool:
             update = self.executor.abort(request_id)
             if update is None:
+                self._tombstones[request_id] = None  # its submission may still be on the way
+                while len(self._tombstones) > MAX_TOMBSTONES:
+                    self._tombstones.popitem(last=False)
                 return False
             self._dispatch([update])
             return True
 
         return bool(self._call(do, timeout_s))
+
+    def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
+        """Run ``fn`` on the loop thread (it may touch the executor) and return its result."""
+        return self._call(fn, timeout_s)
 
     def status(self, timeout_s: float = 30.0) -> dict:
         return self._call(self.executor.status, timeout_s)  # type: ignore[return-value]
@@ -161,6 +187,8 @@ class WorkerLoop:
                 except queue.Empty:
                     break
                 future.set_exception(RuntimeError(f"{self.name} loop died: {exc!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
 
     def _drain_commands(self, block: bool, wait_s: float | None = None) -> None:
         timeout = (self.idle_wait_s if wait_s is None else wait_s) if block else 0.0
@@ -190,17 +218,21 @@ class WorkerLoop:
             return
         while True:
             try:
-                ctx_worker_id, payload = transceiver.outbox.get_nowait()
+                ctx_worker_id, payload, endpoint = transceiver.outbox.get_nowait()
             except queue.Empty:
                 return
-            self._control.submit(self._deliver_one, ctx_worker_id, payload)
+            self._control.submit(self._deliver_one, ctx_worker_id, payload, endpoint)
 
-    def _deliver_one(self, ctx_worker_id: str, payload: bytes) -> None:
+    def _deliver_one(self, ctx_worker_id: str, payload: bytes, endpoint: str) -> None:
         transceiver = self.executor.transceiver
         try:
             if self.deliver is None:
                 raise RuntimeError("no control plane to reach context workers")
-            transceiver.deliver_reply(self.deliver(ctx_worker_id, payload))
+            if self.route_by_endpoint:
+                reply = self.deliver(ctx_worker_id, payload, endpoint)
+            else:
+                reply = self.deliver(ctx_worker_id, payload)
+            transceiver.deliver_reply(reply)
         except Exception as exc:
             msg = decode_message(payload)
             log.warning("%s: KV control message to %s failed: %r", self.name, ctx_worker_id, exc)

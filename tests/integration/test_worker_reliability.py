@@ -1,0 +1,191 @@
+"""Worker-side reliability pieces in one process, with the tiny model: request deadlines in the
+executor (a fake clock), forced tokens (a retry that continues after tokens the client already
+has), an abort that overtakes its submission in the WorkerLoop, and the KV receiver refusing a
+context endpoint that is gone (the context worker restarted)."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM
+from pdserve import SamplingParams as ApiSamplingParams
+from pdserve.scheduler import LlmRequest
+from pdserve.transport.protocol import RecvState
+from pdserve.transport.torch_dist import KVReceiver, TransportConfig
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.executor import Executor
+from pdserve.workers.kv_pool import KVPool
+from pdserve.workers.loader import load_model
+from pdserve.workers.sampling import SamplingParams
+from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.worker_loop import WorkerLoop
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ENGINE = dict(tokens_per_block=4, num_kv_blocks=64, max_batch_size=8, max_num_tokens=32,
+              context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=4)
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("reliability") / "tiny", hidden_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=259, seed=5)
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir):
+    return load_model(model_dir)
+
+
+def _executor(loaded, clock=None) -> Executor:
+    config = EngineConfig.from_kwargs(ENGINE)
+    mcfg = loaded.config
+    pool = KVPool.for_model(mcfg, config.num_kv_blocks, config.tokens_per_block,
+                            dtype=loaded.model.dtype, device="cpu")
+    kwargs = {} if clock is None else {"clock": clock}
+    return Executor(loaded.model, pool, config, eos_token_ids=loaded.eos_token_ids,
+                    vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings, **kwargs)
+
+
+def _run(executor: Executor, max_steps: int = 200) -> dict[int, list]:
+    """Steps until idle; returns each request's updates."""
+    out: dict[int, list] = {}
+    for _ in range(max_steps):
+        if not executor.has_work:
+            return out
+        for u in executor.step():
+            out.setdefault(u.request_id, []).append(u)
+    raise AssertionError("the executor did not go idle")
+
+
+def _tokens(updates) -> list[int]:
+    return [t for u in updates for t in u.new_token_ids]
+
+
+def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(loaded):
+    clock = FakeClock()
+    ex = _executor(loaded, clock)
+    total = ex.kv.num_blocks
+    ex.add_request(LlmRequest(1, PROMPT, 50), GREEDY, deadline=clock.now + 5.0)
+    ex.add_request(LlmRequest(2, PROMPT, 4), GREEDY, deadline=None)
+    for _ in range(3):
+        ex.step()
+    assert ex.num_free_blocks < total
+    clock.now += 10.0  # request 1's deadline passes mid-decode
+    updates = _run(ex)
+    last1, last2 = updates[1][-1], updates[2][-1]
+    assert last1.finished and last1.finish_reason == "deadline" and last1.error == "deadline exceeded"
+    assert last2.finish_reason == "length"
+    assert ex.num_free_blocks == total and not ex.tracked
+    status = ex.status()
+    assert status["deadlines_exceeded"] == 1 and status["violations"] == [] and status["tracked"] == 0
+
+
+def test_forced_tokens_continue_a_retry_without_duplicates_or_gaps(loaded, model_dir):
+    reference = LLM(model_dir, **ENGINE).generate(
+        [PROMPT], ApiSamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].token_ids
+    ex = _executor(loaded)
+    # The client has reference[:6]; only 2 of them fit in the retry's prompt, 4 are forced.
+    prompt = PROMPT + reference[:2]
+    ex.add_request(LlmRequest(7, prompt, 8), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                   forced_tokens=reference[2:6])
+    updates = _run(ex)[7]
+    assert _tokens(updates) == reference[6:10]  # exactly what the client does not have yet
+    assert updates[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="forced_tokens"):
+        ex.add_request(LlmRequest(8, PROMPT, 3), GREEDY, forced_tokens=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match="forced_tokens"):
+        ex.add_request(LlmRequest(9, PROMPT, 3), GREEDY, forced_tokens=[10_000])
+
+
+def test_an_abort_that_overtakes_its_submission_finishes_it_at_once(loaded):
+    ex = _executor(loaded)
+    loop = WorkerLoop(ex, name="w").start()
+    try:
+        assert loop.abort(42) is False  # not there yet: remembered
+        stream = loop.submit(LlmRequest(42, PROMPT, 8), GREEDY)
+        (update,) = stream.collect(10.0)
+        assert update.finish_reason == "abort"
+        assert loop.status()["tracked"] == 0
+        normal = loop.submit(LlmRequest(43, PROMPT, 4), GREEDY)
+        assert normal.collect(30.0)[-1].finish_reason == "length"
+    finally:
+        loop.stop()
+
+
+def test_the_receiver_refuses_a_context_endpoint_that_is_gone(loaded):
+    mcfg = loaded.config
+    pool = KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu")
+    receiver = KVReceiver("gen-x", pool, config=TransportConfig(connect_timeout_s=1.0))
+    try:
+        old, new = "127.0.0.1:1#1", "127.0.0.1:2#2"
+        first = receiver.start(1, ctx_worker_id="ctx-x", ctx_endpoint=old, ctx_request_id=5,
+                               block_ids=[0, 1], timeout_s=30.0)
+        assert first is not None and receiver.pair_endpoint("ctx-x") == old
+        receiver.mark_gone(old)  # the context worker said so (it restarted)
+        assert receiver.is_gone(old)
+        # A request still carrying the old endpoint fails at once, without touching the pair.
+        assert receiver.start(2, ctx_worker_id="ctx-x", ctx_endpoint=old, ctx_request_id=6,
+                              block_ids=[2, 3], timeout_s=30.0) is None
+        assert receiver.pair_endpoint("ctx-x") == old
+        results = {r.request_id: r for r in _poll_until(receiver, {1, 2})}
+        assert results[2].state == RecvState.FAILED and "gone" in results[2].reason
+        assert results[1].state == RecvState.FAILED  # queued for the gone endpoint
+        # The restarted worker's endpoint is used from now on; the old one never again.
+        third = receiver.start(3, ctx_worker_id="ctx-x", ctx_endpoint=new, ctx_request_id=7,
+                               block_ids=[4, 5], timeout_s=1.0)
+        assert third is not None and receiver.pair_endpoint("ctx-x") == new
+        assert receiver.start(4, ctx_worker_id="ctx-x", ctx_endpoint=old, ctx_request_id=8,
+                              block_ids=[6, 7], timeout_s=30.0) is None
+        assert receiver.pair_endpoint("ctx-x") == new
+    finally:
+        receiver.close()
+
+
+def _poll_until(receiver: KVReceiver, ids: set[int], timeout_s: float = 10.0):
+    import time
+
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while {r.request_id for r in got} < ids:
+        assert time.monotonic() < deadline, f"no results for {ids} in time: {got}"
+        got.extend(receiver.poll())
+        time.sleep(0.01)
+    return got
+
+
+def test_a_stale_endpoint_never_moves_the_pair_back_and_a_reused_port_is_detected(loaded):
+    from pdserve.transport.torch_dist import KVSender
+
+    mcfg = loaded.config
+    pool = KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu")
+    receiver = KVReceiver("gen-y", pool, config=TransportConfig(connect_timeout_s=2.0))
+    sender = KVSender("ctx-z", KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu"))
+    try:
+        newer, older = "127.0.0.1:3#50", "127.0.0.1:4#30"
+        assert receiver.start(1, ctx_worker_id="ctx-y", ctx_endpoint=newer, ctx_request_id=1,
+                              block_ids=[0], timeout_s=30.0) is not None
+        # A request from the previous incarnation arrives late: refused, the pair stays.
+        assert receiver.start(2, ctx_worker_id="ctx-y", ctx_endpoint=older, ctx_request_id=2,
+                              block_ids=[1], timeout_s=30.0) is None
+        assert receiver.pair_endpoint("ctx-y") == newer and receiver.is_gone(older)
+
+        # The port of a live store, but another incarnation: that process is gone.
+        impostor = f"{sender.endpoint}#{sender.incarnation - 1}"
+        assert receiver.start(3, ctx_worker_id="ctx-z", ctx_endpoint=impostor, ctx_request_id=3,
+                              block_ids=[2], timeout_s=30.0) is not None
+        results = {r.request_id: r for r in _poll_until(receiver, {2, 3})}
+        assert results[3].state == RecvState.FAILED and "gone" in results[3].reason
+        assert receiver.is_gone(impostor) and not receiver.is_gone(sender.locator)
+    finally:
+        receiver.close()
+        sender.close()
