@@ -21,6 +21,8 @@ commands:
   demo-scheduler     replay the Azure trace through the schedulers on a simulated worker
   make-tiny-model    write a small random Llama-family model (HF format) to a directory
   bench-scheduler    time one full scheduler step (see bench/scheduler.py)
+  bench              bench serve | bench compare: replay a trace over gRPC (latency, goodput, figures)
+  simulate           simulate run | search | validate: discrete-event sizing on a roofline cost model
 
 Run `pdserve COMMAND --help` for a command's options.
 """
@@ -109,7 +111,8 @@ def _launch(argv: list[str]) -> int:
     cluster = launch(cfg)
     dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
     print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "workers": sorted(cluster.workers),
-                      "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir)}), flush=True)
+                      "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir),
+                      "ray_address": ray.get_runtime_context().gcs_address}), flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
@@ -220,9 +223,10 @@ def _shutdown(argv: list[str]) -> int:
     parser.add_argument("--address", default="auto")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
+    from pdserve.cluster.launch import NAMESPACE, client_auth_env, shutdown_all
 
-    from pdserve.cluster.launch import NAMESPACE, shutdown_all
+    client_auth_env()
+    import ray
 
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
     killed = shutdown_all()
@@ -257,6 +261,18 @@ def _bench_scheduler(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench(argv: list[str]) -> int:
+    from pdserve.bench.serve import main
+
+    return main(argv)
+
+
+def _simulate(argv: list[str]) -> int:
+    from pdserve.bench.sizing import main
+
+    return main(argv)
+
+
 COMMANDS = {
     "launch": _launch,
     "generate": _generate,
@@ -266,6 +282,8 @@ COMMANDS = {
     "demo-scheduler": _demo_scheduler,
     "make-tiny-model": _make_tiny_model,
     "bench-scheduler": _bench_scheduler,
+    "bench": _bench,
+    "simulate": _simulate,
 }
 
 

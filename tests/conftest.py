@@ -1,0 +1,24 @@
+"""Suite-wide settings."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+_exit_status = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    # Runs after the summary is printed. Daemon threads that Ray, gRPC and torch.distributed
+    # leave behind can crash CPython's finalization (seen as a segfault after a green run);
+    # nothing is left to clean up here, so leave with the session's own status.
+    if _exit_status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status)
