@@ -7,9 +7,9 @@ a paged KV pool: token position p of a sequence sits in block ``block_table[p //
 descriptions into index tensors once per step; every layer reuses them.
 
 Decode sequences are batched: sorted by cache length and cut into a few groups whose padded
-length wastes little and whose gathered K/V stays cache-sized, each group attended with one SDPA
-call per layer. Context chunks are
-attended one sequence at a time (their queries already fill a matmul).
+length wastes little. One gather per layer reads every group's K/V blocks back to back, then each
+group is attended with one SDPA call. Context chunks are attended one sequence at a time (their
+queries already fill a matmul).
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ import torch
 _GROUP_FILL_RATIO = 0.7
 # A group takes sequences regardless of the fill ratio until it holds this many (per-call cost).
 _MIN_GROUP_SEQS = 8
-# Cap on one group's gathered K+V bytes per layer: a gather small enough to stay in cache is
-# read back by SDPA from cache instead of memory (measured ~15% faster per decode step on CPU).
-GROUP_GATHER_BYTES = 8 << 20
+# Cap on one group's gathered K+V bytes per layer (more, smaller groups). With one gather per
+# layer for all groups a cap no longer keeps a group's K/V cache-resident; on the 2-core CPU
+# (8x512 GQA model, 64 decode sequences) 1 MiB, 8 MiB and no cap measured equal within noise,
+# so the default is effectively no cap: fewest SDPA calls, i.e. fewest thread-pool regions.
+GROUP_GATHER_BYTES = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,9 @@ class DecodeGroup:
     token_index [n]: their rows in the flat batch.
     gather_rows [2 * n * max_blocks]: rows of a layer's pool viewed as [2 * num_blocks, B*kv*d]:
         all K blocks (seq-major, padded with block 0) then the same for V.
-    masks[window] [n, 1, 1, n_keys] bool: True where the key is attended.
+    masks[window] [n, 1, 1, n_keys], the model dtype: additive, 0 where the key is attended and
+        -inf elsewhere (every row attends at least its own token, so softmax stays finite).
+    row_offset: where its rows start in AttentionMetadata.decode_gather_rows.
     """
 
     token_index: torch.Tensor
@@ -60,6 +64,7 @@ class DecodeGroup:
     num_seqs: int
     max_blocks: int
     masks: dict[int | None, torch.Tensor]
+    row_offset: int = 0
 
 
 @dataclass(slots=True)
@@ -68,8 +73,8 @@ class ContextChunk:
 
     gather_rows: None when past_len == 0 (its keys are exactly the chunk's fresh K/V); otherwise
         [2 * num_blocks] rows like DecodeGroup's, covering the past_len + num_new keys.
-    masks[window]: [num_new, n_keys] bool (key position <= query position, inside the window),
-        or None for plain causal attention over the chunk itself.
+    masks[window]: [num_new, n_keys] additive like DecodeGroup's (key position <= query position,
+        inside the window), or None for plain causal attention over the chunk itself.
     """
 
     start: int
@@ -90,6 +95,9 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     context_chunks: list[ContextChunk] = field(default_factory=list)
     max_gather_rows: int = 0  # largest gather, to size the workspace once per step
+    # Every decode group's gather_rows back to back: one gather per layer serves all groups
+    # (one parallel region instead of one per group). None without decode tokens.
+    decode_gather_rows: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -103,9 +111,10 @@ class AttentionMetadata:
         *,
         block_bytes: int = 0,
         group_bytes: int = GROUP_GATHER_BYTES,
+        dtype: torch.dtype = torch.float32,
     ) -> AttentionMetadata:
         """block_bytes: one block's K+V bytes in one layer; with group_bytes it caps the size of
-        a decode group's gather (block_bytes 0: no cap)."""
+        a decode group's gather (block_bytes 0: no cap). dtype: the model's, for the masks."""
         B = tokens_per_block
         windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         slots = [0] * num_tokens
@@ -151,14 +160,20 @@ class AttentionMetadata:
                     m = k_pos <= q_pos
                     if w is not None:
                         m &= k_pos > q_pos - w
-                    masks[w] = m.to(device)
+                    masks[w] = _additive(m, dtype, device)
             chunks.append(ContextChunk(s.start, n, past, _to(rows, device), nb, masks))
         if not all(covered):
             raise ValueError("flat batch has rows that belong to no sequence")
 
-        groups = [_decode_group(g, B, num_blocks, windows, device) for g in _split_decode(decode, B, block_bytes, group_bytes)]
+        groups = [
+            _decode_group(g, B, num_blocks, windows, dtype, device)
+            for g in _split_decode(decode, B, block_bytes, group_bytes)
+        ]
+        offset = 0
         for g in groups:
-            max_rows = max(max_rows, g.gather_rows.numel())
+            g.row_offset = offset
+            offset += g.gather_rows.numel()
+        max_rows = max(max_rows, offset)
         return cls(
             num_tokens=num_tokens,
             tokens_per_block=B,
@@ -168,11 +183,18 @@ class AttentionMetadata:
             decode_groups=groups,
             context_chunks=chunks,
             max_gather_rows=max_rows,
+            decode_gather_rows=torch.cat([g.gather_rows for g in groups]) if groups else None,
         )
 
 
 def _to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """bool mask -> additive float mask (0 kept, -inf masked). SDPA adds a float mask to the
+    scores directly; a bool one is converted on every call, i.e. once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
 
 
 def _split_decode(
@@ -198,7 +220,12 @@ def _split_decode(
 
 
 def _decode_group(
-    seqs: list[SeqBatchInfo], B: int, num_blocks: int, windows: Sequence[int | None], device: torch.device | str
+    seqs: list[SeqBatchInfo],
+    B: int,
+    num_blocks: int,
+    windows: Sequence[int | None],
+    dtype: torch.dtype,
+    device: torch.device | str,
 ) -> DecodeGroup:
     max_blocks = max(s.past_len // B + 1 for s in seqs)
     ids: list[int] = []
@@ -214,7 +241,7 @@ def _decode_group(
         m = k_pos < lens
         if w is not None:
             m &= k_pos > lens - 1 - w
-        masks[w] = m.view(len(seqs), 1, 1, -1).to(device)
+        masks[w] = _additive(m.view(len(seqs), 1, 1, -1), dtype, device)
     return DecodeGroup(
         token_index=torch.tensor([s.start for s in seqs], dtype=torch.long, device=device),
         gather_rows=rows.to(device),

@@ -61,19 +61,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, head_dim] in `dtype` (broadcast over heads).
-        The angles are computed in fp32 from the integer positions, never accumulated."""
+        """positions [T] -> (cos, sin), each [T, 1, head_dim // 2] in `dtype` (broadcast over heads).
+        The angles are computed in fp32 from the integer positions, never accumulated. Both halves
+        of a head share these angles, so only one half is materialised."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] (any strides), cos/sin [T, 1, d] -> rotated [T, heads, d], contiguous.
-    Rotates the two halves of each head (the "rotate_half" convention of HF checkpoints)."""
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """RoPE in place: x [T, heads, d] (unit last stride), cos/sin [T, 1, d/2]. Rotates the two
+    halves of each head (the "rotate_half" convention of HF checkpoints) to
+    [x1 c - x2 s, x2 c + x1 s], each product rounded before the sum as transformers'
+    x * cos + rotate_half(x) * sin does, without materialising the rotated copy."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    x2_sin = torch.mul(x2, sin)  # [T, heads, d/2]
+    x1_sin = torch.mul(x1, sin)
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
 
 
 class GatedMLP(nn.Module):
@@ -91,5 +96,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # row-strided views [T, I]
+        # In place: no fresh [T, I] tensors (large ones cost page faults on every step).
+        act = F.silu(gate, inplace=True).mul_(up)
+        return F.linear(act, self.down_weight, self.down_bias)
