@@ -74,7 +74,8 @@ class WorkerSpec:
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], *, max_seq_len: int, num_kv_blocks: int) -> WorkerSpec:
-        """The spec of a worker built from engine kwargs, with the executor's defaults."""
+        """The spec of a worker built from engine kwargs, with the executor's defaults
+        (``max_seq_len``: the model's, unless the engine sets one)."""
         base = cls()
         chunking = engine.get("context_chunking_policy", None)
         if isinstance(chunking, str) and chunking.upper() in ("", "NONE", "OFF"):
@@ -84,6 +85,7 @@ class WorkerSpec:
         policy = engine.get("capacity_scheduler_policy", base.capacity_scheduler_policy)
         policy = policy if isinstance(policy, str) else policy.name
         max_num_tokens = engine.get("max_num_tokens", 2048)
+        max_seq_len = engine.get("max_seq_len") or max_seq_len
         default_input = max_seq_len - 1 if chunking else min(max_seq_len - 1, max_num_tokens)
         return cls(
             max_batch_size=engine.get("max_batch_size", 64),
