@@ -45,6 +45,9 @@ class Workspace:
 
 
 class PagedAttention(nn.Module):
+    """One layer's attention weights and its two halves, ``project`` and ``attend``; the
+    decoder layer drives them (and the output projection) so that it can tile the tokens."""
+
     def __init__(self, config: ModelConfig, window: int | None, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -128,20 +131,3 @@ class PagedAttention(nn.Module):
                 qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h
             )  # [1, h, n, d]
             out[rows] = o[0].transpose(0, 1)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, 1, d/2]
-        sin: torch.Tensor,  # [T, 1, d/2]
-        meta: AttentionMetadata,
-        layer_kv: torch.Tensor,  # [2, num_blocks, B, kv_heads, d], the model's dtype
-        workspace: Workspace,
-    ) -> torch.Tensor:  # [T, H]
-        """Untiled: project every token, attend, output projection."""
-        T = x.shape[0]
-        qkv = torch.empty(T, self.qkv_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        self.project(x, cos, sin, meta.slots, layer_kv, qkv)
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        self.attend(qkv, meta, layer_kv, workspace, out)
-        return F.linear(out.view(T, -1), self.o_weight, self.o_bias)
