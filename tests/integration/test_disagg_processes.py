@@ -172,7 +172,9 @@ def test_generation_side_prefix_reuse_cuts_the_bytes_sent(spawn):
 
 
 def test_full_generation_pool_keeps_generation_init_requests_waiting(spawn):
-    ctx = spawn("context", "ctx-0")
+    # Each send stalls a while, so the first request still holds the generation pool when the
+    # others arrive however slowly the submissions go (a loaded machine finished it first).
+    ctx = spawn("context", "ctx-0", stall_send_s=1.5)
     # 9 blocks: one 24-token request needs ceil((24 + 8) / 4) = 8 to completion under GNE.
     gen = spawn("generation", "gen-0", engine={"num_kv_blocks": 9},
                 peers={"ctx-0": "%s:%d" % ctx.client.address})

@@ -156,7 +156,9 @@ def _poll_until(receiver: KVReceiver, ids: set[int], timeout_s: float = 10.0):
 
     got = []
     deadline = time.monotonic() + timeout_s
-    while {r.request_id for r in got} < ids:
+    # every id in ids, whatever else came back (a strict-subset test would stop early as soon
+    # as an unrelated result arrived)
+    while not ids <= {r.request_id for r in got}:
         assert time.monotonic() < deadline, f"no results for {ids} in time: {got}"
         got.extend(receiver.poll())
         time.sleep(0.01)
