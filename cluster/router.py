@@ -1,6 +1,9 @@
 """The gRPC router (grpc.aio): validates and admits requests into a bounded queue, orders the
 queue each dispatch round with the agent-tree policy (plus priority), picks a context and a
-generation worker, runs the context_first flow over Ray actor calls and streams tokens back.
+generation worker, runs the context_first flow and streams tokens back. Requests and their
+updates travel over each worker's request channel (``worker_channel.py``, a socket with msgpack
+frames: a Ray call per request costs more than the whole 1-token request); Ray carries
+everything else (status, aborts when no channel is up, restarts, KV control messages).
 
 Flow per request (DESIGN.md "Request lifecycle"): a context-only copy (max_tokens 1) goes to a
 context worker; its last update carries the first token and the context-phase params; the first
@@ -13,8 +16,9 @@ Reliability rules:
 - Every worker call and every wait for a worker's update is bounded (worker_call_timeout_s and
   the request's deadline); each wire request carries the seconds it has left (``deadline_s``),
   so a worker frees a request whose client is gone even if the router's abort never arrives.
-- A dead worker (Ray actor error) is marked unhealthy at once; Ray restarts it, the status
-  refresh sees a new incarnation and a healthy status, and the worker takes requests again.
+- A dead worker (its request channel closes, or a Ray actor error) is marked unhealthy at once;
+  Ray restarts it, the status refresh sees a new incarnation (and its new channel endpoint) and
+  a healthy status, and the worker takes requests again.
 - A request is only ever retried after a worker failure, at most max_retries times, never after
   its deadline; tokens already streamed are folded into the retry's prompt (and, where that would
   exceed max_input_len, forced as the first generated tokens), so the client sees no duplicate
@@ -43,6 +47,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster import policies as P
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb, router_pb2_grpc, spec_from_proto
+from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, WorkerChannel
 from pdserve.scheduler import AgentTreePolicy, LlmRequest, insert_request_in_order
 
 log = logging.getLogger("pdserve.router")
@@ -176,6 +181,8 @@ class Router(router_pb2_grpc.RouterServicer):
         self._attempt_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.channels: dict[str, WorkerChannel] = {}  # worker id -> its open request channel
+        self._connecting: dict[str, asyncio.Lock] = {}
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -202,6 +209,8 @@ class Router(router_pb2_grpc.RouterServicer):
     async def stop(self, grace_s: float = 2.0) -> None:
         for t in self._tasks:
             t.cancel()
+        for channel in self.channels.values():
+            channel.close("router stopping")
         if self.server is not None:
             await self.server.stop(grace_s)
 
@@ -238,15 +247,14 @@ class Router(router_pb2_grpc.RouterServicer):
         self.by_external[external] = internal
         self.totals["received"] += 1
         insert_request_in_order(self.waiting, entry)
-        self._observe_queue()
-        self._wake.set()
+        self._dispatch_ready()
         finished = False
         try:
             while True:
-                left = req.deadline - time.monotonic()
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                item = await asyncio.wait_for(req.out.get(), timeout=left)
+                # asyncio.timeout, not wait_for: wait_for wraps the get in one more task
+                # (one more event-loop hop per update)
+                async with asyncio.timeout_at(self._loop_time(req.deadline)):
+                    item = await req.out.get()
                 if isinstance(item, _Failure):
                     self._cancel(req, item.message)
                     self._count_failed()
@@ -355,24 +363,30 @@ class Router(router_pb2_grpc.RouterServicer):
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.waiting and self.inflight < self.max_inflight:
-                order = self.reorder.reorder(self.waiting) if self.reorder is not None else self.waiting
-                if not order:
-                    break
-                entry = order[0]
-                self.waiting.remove(entry)
-                req = self.requests.get(entry.request_id)
-                if req is None or req.cancelled:
-                    continue
-                self.inflight += 1
-                req.dispatched = time.monotonic()
-                if self.metrics is not None:
-                    self.metrics.observe_queue_time(req.dispatched - req.received)
-                self.dispatch_log.append(req.external_id)
-                req.task = asyncio.create_task(self._run(req))
-                # Not in _run's finally: a task cancelled before it first runs never enters it.
-                req.task.add_done_callback(self._run_done)
-            self._observe_queue()
+            self._dispatch_ready()
+
+    def _dispatch_ready(self) -> None:
+        """Start as many waiting requests as max_inflight allows, in the reorder policy's order.
+        Runs inline when a request arrives (no extra event-loop hop on an idle router) and from
+        the dispatch loop when a request ends."""
+        while self.waiting and self.inflight < self.max_inflight:
+            order = self.reorder.reorder(self.waiting) if self.reorder is not None else self.waiting
+            if not order:
+                break
+            entry = order[0]
+            self.waiting.remove(entry)
+            req = self.requests.get(entry.request_id)
+            if req is None or req.cancelled:
+                continue
+            self.inflight += 1
+            req.dispatched = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.observe_queue_time(req.dispatched - req.received)
+            self.dispatch_log.append(req.external_id)
+            req.task = asyncio.create_task(self._run(req))
+            # Not in _run's finally: a task cancelled before it first runs never enters it.
+            req.task.add_done_callback(self._run_done)
+        self._observe_queue()
 
     async def _run(self, req: _Request) -> None:
         failed: set[tuple[str | None, str]] = set()
@@ -520,44 +534,65 @@ class Router(router_pb2_grpc.RouterServicer):
             raise DeadlineExceeded(who)
 
     async def _stream(self, req: _Request, worker_id: str, wire: dict[str, Any]):
-        """A worker's updates for one attempt; every wait bounded by the worker call timeout
-        and the request's deadline. Actor death or a timeout is a WorkerFailure."""
+        """A worker's updates for one attempt, over its request channel; every wait bounded by
+        the worker call timeout and the request's deadline. A closed channel or a timeout is a
+        WorkerFailure; a request the worker finds invalid is RequestRejected."""
         attempt = wire["request_id"]
+        channel = await self._channel(worker_id, req)
         req.attempts.append((worker_id, attempt))
-        handle = self.workers[worker_id]
         # The worker's own deadline for the attempt: it frees everything once it passes. It
         # trails the router's, so the router answers DEADLINE_EXCEEDED (and aborts) first.
         wire["deadline_s"] = max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S
         try:
-            gen = handle.generate.remote(wire)
+            updates = channel.attempt(attempt)
+            channel.generate(wire)
             while True:
                 timeout = min(self.config.worker_call_timeout_s, max(0.001, req.deadline - time.monotonic()))
-                try:
-                    ref = await asyncio.wait_for(gen.__anext__(), timeout)
-                    update = await asyncio.wait_for(ref, timeout)
-                except StopAsyncIteration:
-                    return
+                async with asyncio.timeout(timeout):
+                    frame = await updates.get()
+                if frame is CLOSED:
+                    self._mark_unhealthy(worker_id, f"request channel closed: {channel.closed_reason}")
+                    raise WorkerFailure(f"{worker_id}: {channel.closed_reason}")
+                if "rejected" in frame:
+                    raise RequestRejected(frame["rejected"])  # the request, not the worker
+                if "error" in frame:
+                    raise WorkerFailure(f"{worker_id}: {frame['error']}")
+                update = frame["u"]
                 yield update
                 if update["finished"]:
                     return
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self._abort_attempt(worker_id, attempt)
             raise WorkerFailure(f"{worker_id} gave no update in time") from exc
-        except asyncio.CancelledError:
-            raise
-        except WorkerFailure:
-            raise
-        except Exception as exc:
-            from ray.exceptions import RayActorError, RayTaskError
-
-            if isinstance(exc, RayTaskError) and isinstance(exc.cause, ValueError):
-                raise RequestRejected(str(exc.cause)) from exc  # the request, not the worker
-            if isinstance(exc, RayActorError):
-                self._mark_unhealthy(worker_id, f"{type(exc).__name__} on a request")
-            raise WorkerFailure(f"{worker_id}: {type(exc).__name__}: {exc}") from exc
+        except ChannelClosed as exc:
+            self._mark_unhealthy(worker_id, f"request channel closed: {exc}")
+            raise WorkerFailure(f"{worker_id}: {exc}") from exc
         finally:
+            channel.forget(attempt)
             if (worker_id, attempt) in req.attempts:
                 req.attempts.remove((worker_id, attempt))
+
+    async def _channel(self, worker_id: str, req: _Request) -> WorkerChannel:
+        """The worker's open request channel, connecting (once, for every waiter) if needed."""
+        channel = self.channels.get(worker_id)
+        if channel is not None and channel.open:
+            return channel
+        lock = self._connecting.setdefault(worker_id, asyncio.Lock())
+        async with lock:
+            channel = self.channels.get(worker_id)
+            if channel is not None and channel.open:
+                return channel
+            info = self.infos[worker_id]
+            channel = WorkerChannel(worker_id, info["request_endpoint"], info["request_token"])
+            timeout = min(self.config.status_timeout_s, max(0.001, req.deadline - time.monotonic()))
+            try:
+                await channel.connect(timeout)
+            except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
+                self._mark_unhealthy(worker_id, f"request channel connect: {exc!r}")
+                raise WorkerFailure(f"{worker_id}: cannot open its request channel "
+                                    f"({info['request_endpoint']}): {exc!r}") from exc
+            self.channels[worker_id] = channel
+            return channel
 
     def _continuation(self, req: _Request) -> tuple[list[int], int, list[int]]:
         """A retry continues after what the client already has: streamed tokens join the prompt
@@ -645,10 +680,22 @@ class Router(router_pb2_grpc.RouterServicer):
         log.info("request %s cancelled: %s", req.external_id, why)
 
     def _abort_attempt(self, worker_id: str, attempt: int) -> None:
+        """Fire and forget; the worker frees it. On the attempt's own channel the abort cannot
+        overtake the request; without a channel (it closed), Ray carries it (a worker that
+        lost its channel has aborted that channel's requests already)."""
+        channel = self.channels.get(worker_id)
+        if channel is not None and channel.open:
+            channel.abort(attempt)
+            return
         try:
-            self.workers[worker_id].abort.remote(attempt)  # fire and forget; the worker frees it
+            self.workers[worker_id].abort.remote(attempt)
         except Exception:  # the actor is gone: nothing left to free there
             pass
+
+    @staticmethod
+    def _loop_time(monotonic_deadline: float) -> float:
+        """A time.monotonic() deadline on the event loop's clock."""
+        return asyncio.get_running_loop().time() + (monotonic_deadline - time.monotonic())
 
     def _forget(self, req: _Request) -> None:
         self.requests.pop(req.internal_id, None)
@@ -661,6 +708,8 @@ class Router(router_pb2_grpc.RouterServicer):
         while True:
             await asyncio.sleep(self.config.status_refresh_s)
             try:
+                if self.metrics is not None:
+                    self.metrics.flush()
                 await self.refresh_loads()
                 await self._update_health()
             except asyncio.CancelledError:
@@ -712,6 +761,9 @@ class Router(router_pb2_grpc.RouterServicer):
         if info["role"] != self.infos[worker_id]["role"]:
             raise RuntimeError(f"{worker_id} came back with role {info['role']}")
         self.infos[worker_id] = info
+        old = self.channels.pop(worker_id, None)
+        if old is not None:  # the previous process's channel; the next request opens a new one
+            old.close(f"{worker_id} restarted")
         self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
         log.warning("worker %s rejoined (pid %s, incarnation %s)", worker_id, info.get("pid"),
                     info.get("incarnation"))

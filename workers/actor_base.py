@@ -28,6 +28,7 @@ from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, 
 
 from .config import EngineConfig
 from .engine import build_executor
+from .request_channel import RequestChannelServer
 from .sampling import SamplingParams
 from .transceiver import KVTransceiver
 from .worker_loop import WorkerLoop
@@ -60,6 +61,13 @@ def request_from_wire(d: dict[str, Any]) -> tuple[LlmRequest, SamplingParams]:
         context_phase_params=ContextPhaseParams(**cpp) if cpp else None,
     )
     return request, SamplingParams(**d["sampling"])
+
+
+def _node_ip() -> str:
+    """The address other nodes reach this worker on (127.0.0.1 on a one-machine cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 def update_to_wire(update) -> dict[str, Any]:
@@ -106,6 +114,7 @@ class WorkerActorBase:
         self._stall_send_s = stall_send_s  # test hook; changed at run time by test_hook
         self._ctx_handles: dict[str, Any] = {}
         self._hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._hashes_lock = threading.Lock()  # advertised from several threads
 
         def transceiver_factory(pool) -> KVTransceiver:
             sender = receiver = None
@@ -136,6 +145,11 @@ class WorkerActorBase:
         self.loop = WorkerLoop(self.executor, name=worker_id, deliver=self._deliver,
                                on_step=self._on_step, route_by_endpoint=True,
                                on_fatal=self._on_fatal).start()
+        # The router's request data path (see request_channel.py); Ray's ``generate`` stays for
+        # callers that hold only an actor handle.
+        self.channel = RequestChannelServer(self.loop, self._from_wire, update_to_wire,
+                                            host=_node_ip(), name=worker_id,
+                                            on_submit=self._on_channel_submit)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, self.executor.kv.num_blocks,
                  self.config.tokens_per_block)
 
@@ -155,25 +169,25 @@ class WorkerActorBase:
             "vocab_size": cfg.vocab_size,
             "endpoint": self.executor.transceiver.endpoint,
             "incarnation": self.incarnation,
+            "request_endpoint": self.channel.endpoint,
+            "request_token": self.channel.token,
         }
 
     def generate(self, wire: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Streams the request's updates (a Ray streaming generator). ``wire["deadline_s"]``:
         seconds the request has left; the executor aborts it once they are up."""
-        request, params = request_from_wire(wire)
-        deadline = None
-        if wire.get("deadline_s") is not None:
-            deadline = time.monotonic() + float(wire["deadline_s"])
-        stream = self.loop.submit(request, params, deadline=deadline,
-                                  forced_tokens=wire.get("forced_tokens") or ())
-        if self.config.enable_block_reuse:
-            # Prefilled or received, the prompt's full blocks end up in this worker's cache.
-            self._advertise(request.get_prompt_tokens())
+        request, params, deadline, forced = self._from_wire(wire)
+        stream = self.loop.submit(request, params, deadline=deadline, forced_tokens=forced)
+        self._on_channel_submit(request)
         while not stream.finished:
             wait = UPDATE_WAIT_S
             if deadline is not None:  # the executor ends it at the deadline; allow a margin
                 wait = min(wait, max(0.0, deadline - time.monotonic()) + 30.0)
             yield update_to_wire(stream.get(wait))
+
+    def request_channel(self) -> dict[str, Any]:
+        """The request channel's endpoint and open router connections."""
+        return {"endpoint": self.channel.endpoint, "connections": self.channel.num_connections}
 
     def abort(self, request_id: int) -> bool:
         return self.loop.abort(request_id)
@@ -207,7 +221,8 @@ class WorkerActorBase:
         raise ValueError(f"unknown test hook {name!r}")
 
     def cached_block_hashes(self) -> list[int]:
-        return list(self._hashes)
+        with self._hashes_lock:
+            return list(self._hashes)
 
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
         """Runs in the "transfer" concurrency group: returns when the bytes have landed.
@@ -225,6 +240,7 @@ class WorkerActorBase:
         return "pong"
 
     def shutdown(self) -> None:
+        self.channel.close()
         self.loop.stop()
 
     # ------------------------------------------------------------------ internals
@@ -256,14 +272,30 @@ class WorkerActorBase:
                 receiver.mark_gone(endpoint)
         return reply
 
+    @staticmethod
+    def _from_wire(wire: dict[str, Any]):
+        """(request, sampling params, deadline as a time.monotonic() value or None, forced
+        tokens); raises ValueError for a malformed request."""
+        request, params = request_from_wire(wire)
+        deadline = None
+        if wire.get("deadline_s") is not None:
+            deadline = time.monotonic() + float(wire["deadline_s"])
+        return request, params, deadline, tuple(wire.get("forced_tokens") or ())
+
+    def _on_channel_submit(self, request: LlmRequest) -> None:
+        if self.config.enable_block_reuse:
+            # Prefilled or received, the prompt's full blocks end up in this worker's cache.
+            self._advertise(request.get_prompt_tokens())
+
     def _advertise(self, prompt: list[int]) -> None:
         from pdserve.cluster.policies import block_hashes
 
-        for h in block_hashes(prompt, self.config.tokens_per_block):
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > MAX_ADVERTISED_HASHES:
-            self._hashes.popitem(last=False)
+        with self._hashes_lock:
+            for h in block_hashes(prompt, self.config.tokens_per_block):
+                self._hashes[h] = None
+                self._hashes.move_to_end(h)
+            while len(self._hashes) > MAX_ADVERTISED_HASHES:
+                self._hashes.popitem(last=False)
 
     def _on_step(self, updates) -> None:
         if self.metrics is not None:

@@ -61,6 +61,18 @@ class RequestStream:
         return out
 
 
+class _SinkStream:
+    """A request's updates handed to a callback on the loop thread as they happen (the
+    request channel writes them out at the end of the step)."""
+
+    def __init__(self, request_id: int, sink: Callable[[RequestUpdate], None]) -> None:
+        self.request_id = request_id
+        self.sink = sink
+
+    def put(self, update: RequestUpdate) -> None:
+        self.sink(update)
+
+
 class WorkerLoop:
     def __init__(
         self,
@@ -81,8 +93,10 @@ class WorkerLoop:
         self.route_by_endpoint = route_by_endpoint
         self.idle_wait_s = idle_wait_s
         self._tombstones: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
-        self._streams: dict[int, RequestStream] = {}
+        # (fn, future to answer, or None for a posted command nobody waits on)
+        self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream | _SinkStream] = {}
+        self._flush_hooks: list[Callable[[], None]] = []  # run after updates were dispatched
         self._stop = threading.Event()
         self._control = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-kv-control")
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
@@ -125,18 +139,53 @@ class WorkerLoop:
         self._call(add, timeout_s)
         return stream
 
-    def abort(self, request_id: int, timeout_s: float = 30.0) -> bool:
-        def do() -> bool:
-            update = self.executor.abort(request_id)
-            if update is None:
-                self._tombstones[request_id] = None  # its submission may still be on the way
-                while len(self._tombstones) > MAX_TOMBSTONES:
-                    self._tombstones.popitem(last=False)
-                return False
-            self._dispatch([update])
-            return True
+    def submit_nowait(self, request: LlmRequest, params: SamplingParams,
+                      sink: Callable[[RequestUpdate], None],
+                      rejected: Callable[[BaseException], None], *,
+                      deadline: float | None = None, forced_tokens: Sequence[int] = ()) -> None:
+        """Queue a request without waiting for the loop: its updates go to ``sink`` on the loop
+        thread; a request the executor refuses goes to ``rejected`` (ValueError: invalid)."""
+        stream = _SinkStream(request.request_id, sink)
 
-        return bool(self._call(do, timeout_s))
+        def add() -> None:
+            if request.request_id in self._tombstones:  # aborted before it arrived
+                del self._tombstones[request.request_id]
+                stream.put(RequestUpdate(request.request_id, [], True, "abort"))
+            else:
+                try:
+                    self.executor.add_request(request, params, deadline=deadline,
+                                              forced_tokens=forced_tokens)
+                except Exception as exc:  # refused: the loop goes on
+                    rejected(exc)
+                else:
+                    self._streams[request.request_id] = stream
+            self._run_flush_hooks()
+
+        self.post(add)
+
+    def abort(self, request_id: int, timeout_s: float = 30.0) -> bool:
+        return bool(self._call(lambda: self.abort_now(request_id), timeout_s))
+
+    def abort_now(self, request_id: int) -> bool:
+        """On the loop thread (see ``post``): abort, or remember the id if it is not here yet."""
+        update = self.executor.abort(request_id)
+        if update is None:
+            self._tombstones[request_id] = None  # its submission may still be on the way
+            while len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)
+            return False
+        self._dispatch([update])
+        return True
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the loop thread without waiting for it; its errors are logged."""
+        if not self.alive:
+            raise RuntimeError(f"{self.name} loop is not running: {self.loop_error!r}")
+        self._commands.put((fn, None))
+
+    def add_flush_hook(self, hook: Callable[[], None]) -> None:
+        """``hook()`` runs on the loop thread whenever updates were dispatched."""
+        self._flush_hooks.append(hook)
 
     def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
         """Run ``fn`` on the loop thread (it may touch the executor) and return its result."""
@@ -181,12 +230,17 @@ class WorkerLoop:
             for stream in self._streams.values():
                 stream.put(RequestUpdate(stream.request_id, [], True, "error", None, f"worker loop died: {exc!r}"))
             self._streams.clear()
+            try:
+                self._run_flush_hooks()
+            except Exception:
+                log.exception("%s: flushing the last updates failed", self.name)
             while True:
                 try:
                     _, future = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                future.set_exception(RuntimeError(f"{self.name} loop died: {exc!r}"))
+                if future is not None:
+                    future.set_exception(RuntimeError(f"{self.name} loop died: {exc!r}"))
             if self.on_fatal is not None:
                 self.on_fatal(exc)
 
@@ -199,9 +253,15 @@ class WorkerLoop:
                 return
             timeout = 0.0
             try:
-                future.set_result(fn())
+                result = fn()
             except Exception as exc:  # reported to the caller, the loop goes on
-                future.set_exception(exc)
+                if future is None:
+                    log.exception("%s: a posted command failed", self.name)
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
 
     def _dispatch(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
@@ -211,6 +271,15 @@ class WorkerLoop:
             stream.put(update)
             if update.finished:
                 del self._streams[update.request_id]
+        if updates:
+            self._run_flush_hooks()
+
+    def _run_flush_hooks(self) -> None:
+        for hook in self._flush_hooks:
+            try:
+                hook()
+            except Exception:  # a broken writer must not take the step loop down with it
+                log.exception("%s: a flush hook failed", self.name)
 
     def _flush_outbox(self) -> None:
         transceiver = self.executor.transceiver

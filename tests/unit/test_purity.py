@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"torch", "ray", "grpc", "numpy"}
-PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py", ROOT / "cluster" / "policies.py"]
+PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
+              ROOT / "transport" / "channel_frames.py", ROOT / "cluster" / "policies.py"]
 
 
 def _pure_files() -> list[Path]:
@@ -48,6 +49,7 @@ def test_pure_module_imports_nothing_heavy(path: Path):
 def test_importing_the_scheduler_loads_no_heavy_module():
     code = (
         "import sys, pdserve.scheduler, pdserve.scheduler.sim_worker\n"
+        "import pdserve.transport.channel_frames\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch','ray','grpc','numpy'})\n"
         "print(','.join(heavy))\n"
     )
