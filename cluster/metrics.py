@@ -368,10 +368,38 @@ class WorkerMetrics(_Recorder):
 
 
 class RouterMetrics(_Recorder):
-    """Records the router's metrics, one call per event; thread-safe as Ray's metrics are."""
+    """Records the router's metrics. Events are buffered and handed to Ray by ``flush`` (the
+    router calls it from its status refresh, every status_refresh_s): a Ray metric call costs
+    tens of microseconds, and a request records about ten, so recording them inline would add
+    a noticeable share of a 1-token request's latency. Not thread-safe: one event loop owns it."""
 
     def __init__(self, router_id: str = "pdserve-router", *, factory: MetricsFactory | None = None) -> None:
         super().__init__("router", router_id, factory)
+        self._counts: dict[tuple[str, tuple], list] = {}  # name, tags -> [spec, tags, sum]
+        self._gauges: dict[tuple[str, tuple], list] = {}  # name, tags -> [spec, tags, last value]
+        self._observations: list[tuple[MetricSpec, dict[str, str], float]] = []
+
+    def _inc(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        tags = tags or self._tags
+        entry = self._counts.setdefault((spec.name, tuple(tags.items())), [spec, tags, 0.0])
+        entry[2] += value
+
+    def _set(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        tags = tags or self._tags
+        self._gauges[(spec.name, tuple(tags.items()))] = [spec, tags, value]
+
+    def _observe(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
+        self._observations.append((spec, tags or self._tags, value))
+
+    def flush(self) -> None:
+        counts, gauges, observations = self._counts, self._gauges, self._observations
+        self._counts, self._gauges, self._observations = {}, {}, []
+        for spec, tags, total in counts.values():
+            _Recorder._inc(self, spec, total, tags)
+        for spec, tags, value in gauges.values():
+            _Recorder._set(self, spec, value, tags)
+        for spec, tags, value in observations:
+            _Recorder._observe(self, spec, value, tags)
 
     def set_queue_depth(self, depth: int) -> None:
         self._set(ROUTER_QUEUE_DEPTH, depth)

@@ -292,6 +292,21 @@ def test_client_cancellation_reaches_the_workers(cluster):
     assert status.totals.completed == 0 and status.totals.in_flight == 0
 
 
+def test_a_sync_client_that_stops_reading_cancels_the_request(cluster):
+    cl = cluster()
+    with Client(f"127.0.0.1:{cl.port}") as client:
+        stream = client.generate_stream(_prompts(1, seed=12)[0], max_tokens=900, request_id="left",
+                                        **GREEDY)
+        got = 0
+        for delta in stream:
+            got += len(delta.token_ids)
+            if got >= 4:
+                break
+        stream.close()  # what leaving the loop does once the generator is collected
+    status = _wait_drained(cl.port)
+    assert status.totals.completed == 0 and status.totals.in_flight == 0
+
+
 def test_one_token_request_finishes_on_the_context_worker(cluster, model_dir):
     cl = cluster()
     prompts = _prompts(3, seed=9)

@@ -74,6 +74,7 @@ def _record_metrics(worker_id: str, router_id: str) -> None:
     router.count_retries()
     router.observe_ttft(0.2)
     router.observe_e2e(1.2)
+    router.flush()
 
 
 def _scrape(port: int) -> str:

@@ -364,10 +364,15 @@ def test_router_metrics_tag_every_event():
     router.observe_queue_time(0.01)
     router.observe_ttft(0.05)
     router.observe_e2e(1.5)
+    # Buffered off the request path until flush: then gauges give their last value, counters
+    # their sum, histograms every observation.
+    assert all(not factory.calls(spec) for spec in (M.ROUTER_QUEUE_DEPTH, M.ROUTER_REQUESTS,
+                                                     M.ROUTER_TTFT_SECONDS))
+    router.flush()
     tags = dict(role="router", worker="pdserve-router")
-    assert factory.calls(M.ROUTER_QUEUE_DEPTH, **tags) == [3, 0]
+    assert factory.calls(M.ROUTER_QUEUE_DEPTH, **tags) == [0]
     assert factory.calls(M.ROUTER_IN_FLIGHT) == [2]
-    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [1, 1]
+    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [2]
     assert factory.calls(M.ROUTER_REQUESTS, outcome="failed") == [1]
     assert factory.calls(M.ROUTER_PREFILLS, kind="local") == [1]
     assert factory.calls(M.ROUTER_PREFILLS, kind="remote") == [1]
@@ -375,6 +380,11 @@ def test_router_metrics_tag_every_event():
     assert factory.calls(M.ROUTER_QUEUE_SECONDS) == [0.01]
     assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05]
     assert factory.calls(M.ROUTER_E2E_SECONDS) == [1.5]
+    router.observe_ttft(0.07)
+    router.flush()
+    router.flush()  # nothing new: nothing recorded twice
+    assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05, 0.07]
+    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [2]
 
 
 def test_tag_values_must_be_strings():
