@@ -13,9 +13,11 @@ worker (conditional disaggregation). A failed attempt is retried on another pair
 locally on a generation worker, continuing after the tokens the client already has.
 
 Reliability rules:
-- Every worker call and every wait for a worker's update is bounded (worker_call_timeout_s and
-  the request's deadline); each wire request carries the seconds it has left (``deadline_s``),
-  so a worker frees a request whose client is gone even if the router's abort never arrives.
+- Every wait is bounded: by the request's deadline, and a worker's silence (no update and no
+  heartbeat from its step loop) by worker_call_timeout_s; a request that is only queued on a
+  live worker is not retried. Each wire request carries the seconds it has left
+  (``deadline_s``), so a worker frees a request whose client is gone even if the router's abort
+  never arrives.
 - A dead worker (its request channel closes, or a Ray actor error) is marked unhealthy at once;
   Ray restarts it, the status refresh sees a new incarnation (and its new channel endpoint) and
   a healthy status, and the worker takes requests again.
@@ -62,7 +64,8 @@ class RouterConfig:
     max_queue: int = 1024
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
     max_retries: int = 2
-    worker_call_timeout_s: float = 30.0  # every single worker call or update wait
+    # A worker heard from neither by updates nor by heartbeats this long has failed its attempts.
+    worker_call_timeout_s: float = 30.0
     status_timeout_s: float = 5.0  # one worker's status call (a restarting worker is slow)
     default_deadline_s: float = 600.0
     status_refresh_s: float = 0.5
@@ -534,9 +537,11 @@ class Router(router_pb2_grpc.RouterServicer):
             raise DeadlineExceeded(who)
 
     async def _stream(self, req: _Request, worker_id: str, wire: dict[str, Any]):
-        """A worker's updates for one attempt, over its request channel; every wait bounded by
-        the worker call timeout and the request's deadline. A closed channel or a timeout is a
-        WorkerFailure; a request the worker finds invalid is RequestRejected."""
+        """A worker's updates for one attempt, over its request channel. An attempt waits as
+        long as the request's deadline allows while the worker is heard from (updates or the
+        step loop's heartbeats): a queued request is not a failed one. A worker silent for
+        worker_call_timeout_s, or a closed channel, is a WorkerFailure; a request the worker
+        finds invalid is RequestRejected."""
         attempt = wire["request_id"]
         channel = await self._channel(worker_id, req)
         req.attempts.append((worker_id, attempt))
@@ -546,10 +551,23 @@ class Router(router_pb2_grpc.RouterServicer):
         try:
             updates = channel.attempt(attempt)
             channel.generate(wire)
+            silence_limit = self.config.worker_call_timeout_s
             while True:
-                timeout = min(self.config.worker_call_timeout_s, max(0.001, req.deadline - time.monotonic()))
-                async with asyncio.timeout(timeout):
-                    frame = await updates.get()
+                # Wake now and then to check the worker is still heard from.
+                wait = min(max(0.5, silence_limit / 3), max(0.001, req.deadline - time.monotonic()))
+                try:
+                    async with asyncio.timeout(wait):
+                        frame = await updates.get()
+                except TimeoutError:
+                    if time.monotonic() >= req.deadline:
+                        raise
+                    silent = time.monotonic() - channel.last_heard
+                    if silent > silence_limit:
+                        self._abort_attempt(worker_id, attempt)
+                        self._mark_unhealthy(worker_id, f"silent for {silent:.1f} s")
+                        raise WorkerFailure(f"{worker_id} was silent for {silent:.1f} s "
+                                            "(no update, no heartbeat)") from None
+                    continue
                 if frame is CLOSED:
                     self._mark_unhealthy(worker_id, f"request channel closed: {channel.closed_reason}")
                     raise WorkerFailure(f"{worker_id}: {channel.closed_reason}")
@@ -561,9 +579,9 @@ class Router(router_pb2_grpc.RouterServicer):
                 yield update
                 if update["finished"]:
                     return
-        except (asyncio.TimeoutError, TimeoutError) as exc:
+        except TimeoutError as exc:  # the request's deadline
             self._abort_attempt(worker_id, attempt)
-            raise WorkerFailure(f"{worker_id} gave no update in time") from exc
+            raise WorkerFailure(f"{worker_id}: the request's deadline passed") from exc
         except ChannelClosed as exc:
             self._mark_unhealthy(worker_id, f"request channel closed: {exc}")
             raise WorkerFailure(f"{worker_id}: {exc}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any
 
 from pdserve.transport.channel_frames import frame_unpacker, pack_frame
@@ -32,6 +33,7 @@ class WorkerChannel:
         self.endpoint = endpoint
         self.token = token
         self.closed_reason: str | None = None
+        self.last_heard = time.monotonic()  # any bytes from the worker (heartbeats included)
         self._attempts: dict[int, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -48,6 +50,7 @@ class WorkerChannel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._writer = writer
+        self.last_heard = time.monotonic()
         writer.write(pack_frame({"op": "hello", "token": self.token}))
         self._reader_task = asyncio.create_task(self._read(reader),
                                                 name=f"pdserve-channel-{self.worker_id}")
@@ -89,6 +92,7 @@ class WorkerChannel:
                 data = await reader.read(READ_BYTES)
                 if not data:
                     break
+                self.last_heard = time.monotonic()
                 frames.feed(data)
                 for frame in frames:
                     q = self._attempts.get(frame.get("id")) if isinstance(frame, dict) else None

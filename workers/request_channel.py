@@ -14,6 +14,11 @@ Frames (msgpack maps; the stream carries them back to back, ``msgpack.Unpacker``
   worker -> router  {"id": N, "u": {...}}                one update (``update_to_wire``)
                     {"id": N, "rejected": "why"}         the request itself is invalid (ValueError)
                     {"id": N, "error": "why"}            the worker could not take it
+                    {"hb": 1}                            heartbeat, every HEARTBEAT_S
+
+Heartbeats are written by the step loop's thread, so they prove the loop itself is alive: the
+router can then wait as long as a request's deadline allows for a request that is only queued
+(a generation request waiting for KV, say) and still notice a worker that hangs.
 
 Ownership: a request belongs to the connection that brought it. When that connection ends
 (router gone, socket broken), every request it still owns is aborted, so nothing runs unowned.
@@ -39,6 +44,7 @@ from .worker_loop import WorkerLoop
 log = logging.getLogger("pdserve.request_channel")
 
 HELLO_TIMEOUT_S = 5.0  # a connection must say hello this soon
+HEARTBEAT_S = 1.0
 WRITE_TIMEOUT_S = 10.0  # a router that reads nothing for this long is treated as gone
 READ_BYTES = 1 << 16
 
@@ -122,7 +128,9 @@ class RequestChannelServer:
         self._connections: set[_Connection] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        self._next_heartbeat = 0.0
         loop.add_flush_hook(self._flush_all)
+        loop.add_tick_hook(self._heartbeat)
         self._accept_thread = threading.Thread(target=self._accept, name=f"{name}-channel-accept",
                                                daemon=True)
         self._accept_thread.start()
@@ -245,6 +253,17 @@ class RequestChannelServer:
             self.loop.post(fn)
         except RuntimeError:  # the step loop is dead: the process is on its way out anyway
             pass
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + HEARTBEAT_S
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:
+            conn.queue({"hb": 1})
+            conn.flush()
 
     def _flush_all(self) -> None:
         with self._lock:

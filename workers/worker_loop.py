@@ -97,6 +97,7 @@ class WorkerLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = queue.SimpleQueue()
         self._streams: dict[int, RequestStream | _SinkStream] = {}
         self._flush_hooks: list[Callable[[], None]] = []  # run after updates were dispatched
+        self._tick_hooks: list[Callable[[], None]] = []  # run every loop turn (<= idle_wait_s apart)
         self._stop = threading.Event()
         self._control = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{name}-kv-control")
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
@@ -187,6 +188,12 @@ class WorkerLoop:
         """``hook()`` runs on the loop thread whenever updates were dispatched."""
         self._flush_hooks.append(hook)
 
+    def add_tick_hook(self, hook: Callable[[], None]) -> None:
+        """``hook()`` runs on the loop thread every turn of the loop: after each step, and at
+        least every ``idle_wait_s`` when idle. A stuck step stops the ticks (that is the point:
+        a heartbeat sent from here proves the loop is alive). Keep it cheap."""
+        self._tick_hooks.append(hook)
+
     def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
         """Run ``fn`` on the loop thread (it may touch the executor) and return its result."""
         return self._call(fn, timeout_s)
@@ -224,6 +231,8 @@ class WorkerLoop:
                     if not updates and not self.executor.active and not self.executor.waiting:
                         # Only transfers are pending: poll them gently, not in a busy loop.
                         self._drain_commands(block=True, wait_s=0.002)
+                for hook in self._tick_hooks:
+                    hook()
         except BaseException as exc:  # the worker is broken: say so to every waiter
             self.loop_error = exc
             log.exception("%s loop died", self.name)

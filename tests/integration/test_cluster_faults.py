@@ -403,6 +403,25 @@ def test_stalled_sender_runs_into_the_transfer_timeout_or_the_deadline(cluster, 
     print(f"\ntransfer timeout: retried in {s1:.1f} s, failed in {s2:.1f} s, deadline in {s3:.1f} s")
 
 
+def test_a_request_that_only_waits_on_a_live_worker_is_not_retried(cluster, model_dir):
+    """A generation request waits 4 s for its KV (the send is held) while the router's silence
+    limit is 1.5 s: the worker's heartbeats show it is alive, so the router keeps waiting and
+    the request finishes on its first pair instead of being retried."""
+    cl = cluster(router=RouterConfig(worker_call_timeout_s=1.5))
+    ctx = cl.workers["ctx-0"]
+    prompt = U.prompts(1, seed=43)[0]
+    expected = U.reference(model_dir, [prompt], 8)[0]
+    ray.get(ctx.test_hook.remote("stall_send", 4.0), timeout=U.RAY_TIMEOUT_S)
+    t0 = time.monotonic()
+    (result,) = U.run(_one_request(cl.port, prompt, 8, request_id="patient"), 60)
+    seconds = time.monotonic() - t0
+    ray.get(ctx.test_hook.remote("stall_send", 0.0), timeout=U.RAY_TIMEOUT_S)
+    assert result.code is None and result.tokens == expected
+    assert result.last.timings.retries == 0 and not result.last.timings.local_prefill
+    assert seconds >= 4.0  # it did wait out the held send
+    U.wait_drained(cl)
+
+
 async def _one_request(port: int, prompt, max_tokens: int, request_id: str = "one", **kwargs):
     async with U.channel(port) as ch:
         return [await U.generate(U.stub_of(ch), request_id, prompt, max_tokens, **kwargs)]

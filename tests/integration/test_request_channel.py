@@ -222,3 +222,21 @@ def test_a_worker_whose_step_loop_is_gone_answers_with_an_error(server):
 
     (frame,) = asyncio.run(run())
     assert "not running" in frame["error"]
+
+
+def test_an_idle_connection_hears_the_step_loops_heartbeat_until_the_loop_stops(server):
+    async def run():
+        channel = await _connect(server)
+        t0 = channel.last_heard
+        await asyncio.sleep(2.5)  # HEARTBEAT_S is 1 s
+        beating = channel.last_heard - t0
+        server.loop.stop()
+        await asyncio.sleep(0.5)  # a heartbeat in flight may still land
+        stopped_at = channel.last_heard
+        await asyncio.sleep(2.5)
+        silent = channel.last_heard == stopped_at
+        channel.close()
+        return beating, silent
+
+    beating, silent = asyncio.run(run())
+    assert beating >= 1.0 and silent
