@@ -316,7 +316,9 @@ class Router(router_pb2_grpc.RouterServicer):
                 "violations": self.router_violations() + [
                     f"{w}: {v}" for w, vs in sorted(self.violations.items()) for v in vs],
                 "serving": self.serving, "pid": os.getpid(),
-                "healthy": {w: load.healthy for w, load in sorted(self.loads.items())}}
+                "healthy": {w: load.healthy for w, load in sorted(self.loads.items())},
+                # prefix blocks each worker advertised at the last refresh (routing input)
+                "cached_blocks": {w: len(load.cached_block_hashes) for w, load in sorted(self.loads.items())}}
 
     def router_violations(self) -> list[str]:
         """The router's own invariants: counts in range, the two request maps in step, and no

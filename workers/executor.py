@@ -418,7 +418,8 @@ class Executor:
             return {}
         rows = torch.tensor([row for row, _ in producing], dtype=torch.long, device=logits.device)
         sampled = sample(
-            logits.index_select(0, rows), [self.tracked[r.request_id].sampler for _, r in producing]
+            logits.index_select(0, rows), [self.tracked[r.request_id].sampler for _, r in producing],
+            [r.get_num_tokens(0) for _, r in producing],  # the sampled token's position
         )
         return {r.request_id: tok for (_, r), tok in zip(producing, sampled)}
 

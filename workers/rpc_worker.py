@@ -151,6 +151,9 @@ class RpcWorkerServer:
     def rpc_status(self) -> dict:
         return self.loop.status()
 
+    def rpc_request_states(self) -> dict[int, str]:
+        return self.loop.call(self.loop.executor.request_states)  # type: ignore[return-value]
+
     def rpc_kv_control(self, payload: bytes) -> bytes | None:
         return self.loop.handle_kv_control(payload)
 

@@ -1,8 +1,12 @@
 """Sampling parameters and the batched sampler.
 
 Greedy rows (temperature 0) take the argmax in one batched op. Sampled rows apply temperature,
-then top-k, then top-p, and draw with the request's own ``torch.Generator``, seeded once, so a
-seeded request reproduces its tokens whatever else shares its batches.
+then top-k, then top-p, and draw with the request's own ``torch.Generator``, re-seeded for every
+token from (the request's seed, the token's position in the sequence). A draw then depends on
+nothing but the seed, the position and the logits: not on what else shares the batch, not on a
+pause (recompute keeps positions), and not on which worker draws it, so a disaggregated request
+(first token on the context worker, the rest on the generation worker) and a retry that
+continues after streamed tokens draw exactly what one colocated engine would.
 """
 from __future__ import annotations
 
@@ -49,23 +53,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-class RequestSampler:
-    """Per-request sampling state: the generator survives pauses, so recompute does not change
-    what a seeded request draws next."""
+MASK64 = (1 << 64) - 1
 
-    __slots__ = ("params", "generator")
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at ``position`` (tokens before it in the sequence): a
+    splitmix64 finalizer over both, so nearby positions and seeds give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1  # < 2**63
+
+
+class RequestSampler:
+    """Per-request sampling state: the seed (drawn at random when the request gave none) and a
+    generator re-seeded per token (see the module docstring)."""
+
+    __slots__ = ("params", "seed", "generator")
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
         self.generator: torch.Generator | None = None
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed)
 
 
-def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
-    """logits: [n, vocab] (any float dtype) -> one token id per row."""
+def sample(logits: torch.Tensor, samplers: list[RequestSampler], positions: list[int]) -> list[int]:
+    """logits: [n, vocab] (any float dtype) -> one token id per row. ``positions[i]``: how many
+    tokens row i's sequence holds before the one drawn now."""
     n = logits.shape[0]
     if n == 0:
         return []
@@ -73,12 +89,13 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
     for row, sampler in enumerate(samplers):
         if sampler.params.greedy:
             continue
-        tokens[row] = _sample_row(logits[row].float(), sampler)
+        tokens[row] = _sample_row(logits[row].float(), sampler, positions[row])
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, sampler: RequestSampler) -> int:
+def _sample_row(logits: torch.Tensor, sampler: RequestSampler, position: int) -> int:
     p = sampler.params
+    sampler.generator.manual_seed(position_seed(sampler.seed, position))
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]

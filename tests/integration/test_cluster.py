@@ -185,7 +185,10 @@ def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
                     pass
 
             blocker = asyncio.create_task(one("blocker", [], max_tokens=600))
-            await asyncio.sleep(0.5)  # the blocker is dispatched; everything else queues
+            async with asyncio.timeout(60):  # the blocker is dispatched; everything else queues
+                while (await cl.router.request_phases.remote()).get("blocker", {}).get(
+                        "phase", "queued") == "queued":
+                    await asyncio.sleep(0.02)
             others = [("chat-1", []), ("agent-n7", [("AgentDeepResearch", 7)]), ("chat-2", []),
                       ("agent-n3", [("AgentDeepResearch", 3)])]
             tasks = []
@@ -205,7 +208,10 @@ def test_conditional_disaggregation_sends_short_prompts_to_the_generation_worker
     short_tail = long_prompt + [9, 9, 9]  # the cached part is long_prompt; 3 new tokens
     (tokens1, last1), = asyncio.run(_generate_all(cl.port, [long_prompt], 6))
     assert not last1.timings.local_prefill and last1.timings.ctx_worker == "ctx-0"
-    time.sleep(1.5)  # the router refreshes the workers' cached prefixes
+    deadline = time.monotonic() + 60  # the router's next refresh sees gen-0's cached prefix
+    while not ray.get(cl.router.debug_state.remote(), timeout=30)["cached_blocks"]["gen-0"]:
+        assert time.monotonic() < deadline, "the router never saw gen-0's cached blocks"
+        time.sleep(0.1)
     (tokens2, last2), = asyncio.run(_generate_all(cl.port, [short_tail], 6))
     assert last2.timings.local_prefill and last2.timings.ctx_worker == ""
     assert last2.timings.kv_transfer_bytes == 0

@@ -93,9 +93,9 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def _submit_context(ctx: Worker, rid: int, prompt: list[int]) -> None:
+def _submit_context(ctx: Worker, rid: int, prompt: list[int], sampling=GREEDY) -> None:
     ctx.call("submit", {"request_id": rid, "prompt": prompt, "max_new_tokens": 1, "type": "CONTEXT_ONLY"},
-             {"max_tokens": 1, **GREEDY})
+             {"max_tokens": 1, **sampling})
 
 
 def _context_result(ctx: Worker, rid: int) -> dict:
@@ -105,10 +105,11 @@ def _context_result(ctx: Worker, rid: int) -> dict:
     return last
 
 
-def _submit_generation(gen: Worker, rid: int, prompt: list[int], ctx_done: dict, max_new: int = MAX_NEW) -> None:
+def _submit_generation(gen: Worker, rid: int, prompt: list[int], ctx_done: dict, max_new: int = MAX_NEW,
+                       sampling=GREEDY) -> None:
     gen.call("submit", {"request_id": rid, "prompt": prompt, "max_new_tokens": max_new,
                         "type": "GENERATION_ONLY", "context_phase_params": ctx_done["context_phase_params"]},
-             {"max_tokens": max_new, **GREEDY})
+             {"max_tokens": max_new, **sampling})
 
 
 def _generation_result(gen: Worker, rid: int, ctx_done: dict) -> tuple[list[int], dict]:
@@ -117,6 +118,15 @@ def _generation_result(gen: Worker, rid: int, ctx_done: dict) -> tuple[list[int]
     for u in updates:
         tokens.extend(u["new_token_ids"])
     return tokens, updates[-1]
+
+
+def _wait_receiving(gen: Worker, request_id: int, timeout_s: float = 30.0) -> None:
+    """Until the generation side's receive is RECEIVING: the header arrived and the payload,
+    held by the context worker's stalled send, is due."""
+    deadline = time.monotonic() + timeout_s
+    while gen.call("request_states").get(request_id) != "RECEIVING":
+        assert time.monotonic() < deadline, gen.call("request_states")
+        time.sleep(0.02)
 
 
 def _wait_drained(worker: Worker, timeout_s: float = 30.0) -> dict:
@@ -151,6 +161,28 @@ def test_disaggregated_output_matches_the_in_process_engine(spawn, model_dir):
     assert gstatus["transfers"]["received"] == len(prompts)
     assert cstatus["transfers"]["sent"] == len(prompts)
     assert gstatus["transfers"]["bytes_received"] == cstatus["transfers"]["bytes_sent"] > 0
+
+
+def test_seeded_sampling_draws_the_same_tokens_across_the_hand_off(spawn, model_dir):
+    # The first token is drawn on the context worker, the rest on the generation worker; draws
+    # are keyed by (seed, position), so the tokens are the colocated engine's.
+    ctx = spawn("context", "ctx-0")
+    gen = spawn("generation", "gen-0", peers={"ctx-0": "%s:%d" % ctx.client.address})
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.95, seed=77, ignore_eos=True)
+    prompts = _prompts(4, seed=12)
+    expected = [o.token_ids for o in LLM(model_dir, **ENGINE).generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, **sampled))]
+    got = []
+    for rid, p in enumerate(prompts):
+        _submit_context(ctx, rid, p, sampled)
+        done = _context_result(ctx, rid)
+        _submit_generation(gen, rid, p, done, sampling=sampled)
+        got.append(_generation_result(gen, rid, done)[0])
+    assert got == expected
+    greedy = [o.token_ids for o in LLM(model_dir, **ENGINE).generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, **GREEDY))]
+    assert got != greedy  # it did sample
+    _wait_drained(gen), _wait_drained(ctx)
 
 
 def test_generation_side_prefix_reuse_cuts_the_bytes_sent(spawn):
@@ -212,7 +244,7 @@ def test_context_worker_killed_mid_transfer(spawn):
     _submit_context(ctx, 1, prompt)
     done = _context_result(ctx, 1)
     _submit_generation(gen, 1, prompt, done)
-    time.sleep(1.5)  # the send is stalled after its header: the receive is in flight
+    _wait_receiving(gen, 1)  # the send is stalled after its header: the receive is in flight
     ctx.kill()
     t0 = time.monotonic()
     _, last = _generation_result(gen, 1, done)
@@ -239,7 +271,7 @@ def test_generation_worker_killed_mid_transfer(spawn):
     _submit_context(ctx, 1, prompt)
     done = _context_result(ctx, 1)
     _submit_generation(gen, 1, prompt, done)
-    time.sleep(1.5)
+    _wait_receiving(gen, 1)
     gen.kill()
     status = _wait_drained(ctx, timeout_s=30)  # the failed send frees the leased blocks
     assert status["transfers"]["failed"] >= 1

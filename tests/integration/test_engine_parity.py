@@ -138,6 +138,22 @@ def test_seeded_sampling_is_reproducible(model):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+def test_seeded_sampling_is_unchanged_by_pauses_and_chunking(model):
+    # Draws are keyed by (seed, position): recompute after a pause, and chunked prefill, draw
+    # exactly what an unconstrained engine draws.
+    _, path = model
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=99, ignore_eos=True)
+    prompts = _prompts()
+    base = dict(tokens_per_block=4, max_batch_size=8, enable_block_reuse=False)
+    free = LLM(path, num_kv_blocks=128, max_num_tokens=512, **base).generate(prompts, params)
+    paused_llm = LLM(path, **base, **CONFIGS["max_utilization_pauses"])
+    paused = paused_llm.generate(prompts, params)
+    chunked = LLM(path, num_kv_blocks=128, **base, **CONFIGS["fcfs_chunks"]).generate(prompts, params)
+    assert paused_llm.stats.pauses > 0
+    assert [o.token_ids for o in paused] == [o.token_ids for o in free]
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in free]
+
+
 def test_abort_frees_every_block(model):
     _, path = model
     llm = LLM(path, tokens_per_block=4, num_kv_blocks=64, enable_block_reuse=True)
