@@ -1,7 +1,8 @@
 """What the context and generation Ray actors share: build the executor with its KV transceiver,
-run it on a WorkerLoop, stream request updates back as a generator, and serve KV control
-messages in a dedicated concurrency group (so each transfer is its own task, with its duration,
-in the dashboard's task view).
+run it on a WorkerLoop, serve the router's request channel (requests in, updates out as each
+step produces them; ``request_channel.py``) and, for callers holding only an actor handle, a Ray
+streaming ``generate``; and serve KV control messages in a dedicated concurrency group (so each
+transfer is its own task, with its duration, in the dashboard's task view).
 
 The actor classes themselves (``context_worker.py``, ``generation_worker.py``) only pick the
 role; Ray's decorator is applied there.

@@ -6,8 +6,9 @@ import ray
 
 from .actor_base import WorkerActorBase
 
-# Streaming generate() calls occupy a thread each for the request's lifetime, so the default
-# group is wide; KV transfers get their own group so a long send never waits behind them.
+# Requests arrive over the request channel, not as Ray calls; a direct caller's streaming
+# generate() holds a default-group thread for the request's lifetime, so that group is wide.
+# KV transfers get their own group so a long send never waits behind anything else.
 CONCURRENCY_GROUPS = {"transfer": 8, "control": 8}
 
 
