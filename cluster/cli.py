@@ -26,6 +26,7 @@ commands:
 
 Run `pdserve COMMAND --help` for a command's options.
 """
+SHUTDOWN_GRACE_S = 3.0  # `launch` waits this long after its router is killed before stopping Ray
 
 
 # ---------------------------------------------------------------------- launch
@@ -121,6 +122,9 @@ def _launch(argv: list[str]) -> int:
             try:  # `pdserve shutdown` from elsewhere kills the router: leave with it
                 ray.get(cluster.router.port.remote(), timeout=30)
             except Exception:
+                # ... after a moment, so the driver that killed it disconnects before this
+                # process stops the Ray cluster it started under that driver's feet.
+                time.sleep(SHUTDOWN_GRACE_S)
                 break
     except KeyboardInterrupt:
         pass

@@ -175,10 +175,13 @@ def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
     import ray
 
     killed = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name, ns = entry["name"], entry["namespace"]
-        if ns != namespace or not name.startswith("pdserve-"):
-            continue
+    names = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                   if e["namespace"] == namespace and e["name"].startswith("pdserve-"))
+    # The router last: a `pdserve launch` in the foreground leaves (and stops the Ray cluster it
+    # started) once its router is gone, so everything else must be done by then.
+    names.sort(key=lambda n: n == ROUTER_NAME)
+    for name in names:
+        ns = namespace
         try:
             ray.kill(ray.get_actor(name, namespace=ns))
             killed.append(name)
