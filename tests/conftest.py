@@ -6,6 +6,13 @@ import sys
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property tests assert behaviour, never time: no per-example deadline, and no health check that
+# fails a test because a loaded CI machine generated its examples slowly.
+settings.register_profile("pdserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("pdserve")
+
 _exit_status = None
 
 
