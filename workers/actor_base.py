@@ -143,7 +143,7 @@ class WorkerActorBase:
             from pdserve.cluster.metrics import WorkerMetrics
 
             self.metrics = WorkerMetrics(self.role, worker_id)
-        self.loop = WorkerLoop(self.executor, name=worker_id, deliver=self._deliver,
+        self.loop = WorkerLoop(self.executor, name=worker_id, send_control=self._send_control,
                                on_step=self._on_step, route_by_endpoint=True,
                                on_fatal=self._on_fatal).start()
         # The router's request data path (see request_channel.py); Ray's ``generate`` stays for
@@ -246,18 +246,26 @@ class WorkerActorBase:
 
     # ------------------------------------------------------------------ internals
 
-    def _deliver(self, ctx_worker_id: str, payload: bytes, endpoint: str) -> bytes | None:
+    def _send_control(self, ctx_worker_id: str, payload: bytes, endpoint: str):
+        """On the loop thread, in outbox order: submit the control message as a ``kv_transfer``
+        call (a Ray call from one thread starts on the actor in submission order) and return
+        the wait for its reply, which a control-pool thread runs."""
         import ray
-        from ray.exceptions import ActorDiedError
 
-        receiver = self.executor.transceiver.receiver
         handle = self._ctx_handles.get(ctx_worker_id)
         if handle is None:
             handle = ray.get_actor(actor_name(ctx_worker_id), namespace=NAMESPACE)
             self._ctx_handles[ctx_worker_id] = handle
+        ref = handle.kv_transfer.remote(payload, endpoint)
+        return lambda: self._await_control(ctx_worker_id, ref, endpoint)
+
+    def _await_control(self, ctx_worker_id: str, ref, endpoint: str) -> bytes | None:
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        receiver = self.executor.transceiver.receiver
         try:
-            reply = ray.get(handle.kv_transfer.remote(payload, endpoint),
-                            timeout=self.transfer_timeout_s + 15.0)
+            reply = ray.get(ref, timeout=self.transfer_timeout_s + 15.0)
         except ActorDiedError:  # dead for good (no restarts left): so is its endpoint
             self._ctx_handles.pop(ctx_worker_id, None)
             receiver.mark_gone(endpoint)

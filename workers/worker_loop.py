@@ -30,6 +30,7 @@ from .sampling import SamplingParams
 log = logging.getLogger("pdserve.worker_loop")
 
 Deliver = Callable[..., "bytes | None"]
+SendControl = Callable[[str, bytes, str], Callable[[], "bytes | None"]]
 MAX_TOMBSTONES = 10_000  # aborted ids that were unknown when the abort came (bounded memory)
 
 
@@ -84,12 +85,18 @@ class WorkerLoop:
         on_step: Callable[[list[RequestUpdate]], None] | None = None,
         route_by_endpoint: bool = False,
         on_fatal: Callable[[BaseException], None] | None = None,
+        send_control: SendControl | None = None,
     ) -> None:
         self.executor = executor
         self.on_step = on_step  # e.g. metrics; runs on the loop thread after every step
         self.on_fatal = on_fatal  # the loop died: e.g. exit the process so it is restarted
         self.name = name
         self.deliver = deliver
+        # Issues a control message now and returns a function that waits for its reply: called
+        # on the loop thread, in outbox order, so KV requests reach a context worker in the
+        # order of their seqs (its pair thread serves them in that order; out-of-order arrival
+        # can fill its transfer threads with requests that all wait for an earlier one).
+        self.send_control = send_control
         self.route_by_endpoint = route_by_endpoint
         self.idle_wait_s = idle_wait_s
         self._tombstones: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -299,7 +306,22 @@ class WorkerLoop:
                 ctx_worker_id, payload, endpoint = transceiver.outbox.get_nowait()
             except queue.Empty:
                 return
-            self._control.submit(self._deliver_one, ctx_worker_id, payload, endpoint)
+            if self.send_control is None:
+                self._control.submit(self._deliver_one, ctx_worker_id, payload, endpoint)
+                continue
+            try:
+                wait = self.send_control(ctx_worker_id, payload, endpoint)
+            except Exception as exc:
+                self._control_failed(ctx_worker_id, payload, exc)
+            else:
+                self._control.submit(self._await_reply, ctx_worker_id, payload, wait)
+
+    def _await_reply(self, ctx_worker_id: str, payload: bytes,
+                     wait: Callable[[], "bytes | None"]) -> None:
+        try:
+            self.executor.transceiver.deliver_reply(wait())
+        except Exception as exc:
+            self._control_failed(ctx_worker_id, payload, exc)
 
     def _deliver_one(self, ctx_worker_id: str, payload: bytes, endpoint: str) -> None:
         transceiver = self.executor.transceiver
@@ -312,9 +334,12 @@ class WorkerLoop:
                 reply = self.deliver(ctx_worker_id, payload)
             transceiver.deliver_reply(reply)
         except Exception as exc:
-            msg = decode_message(payload)
-            log.warning("%s: KV control message to %s failed: %r", self.name, ctx_worker_id, exc)
-            if isinstance(msg, KVRequest):  # fail the receive now rather than at its deadline
-                done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
-                                    f"control plane to {ctx_worker_id}: {exc!r}", 0, 0.0)
-                transceiver.deliver_reply(encode_message(done))
+            self._control_failed(ctx_worker_id, payload, exc)
+
+    def _control_failed(self, ctx_worker_id: str, payload: bytes, exc: BaseException) -> None:
+        msg = decode_message(payload)
+        log.warning("%s: KV control message to %s failed: %r", self.name, ctx_worker_id, exc)
+        if isinstance(msg, KVRequest):  # fail the receive now rather than at its deadline
+            done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                f"control plane to {ctx_worker_id}: {exc!r}", 0, 0.0)
+            self.executor.transceiver.deliver_reply(encode_message(done))

@@ -183,7 +183,9 @@ def test_context_worker_killed_mid_transfer(cluster, model_dir):
                        and any(w == "gen-0" and states.get(a) == "RECEIVING" for w, a in p["attempts"])]
                 if mid and len(phases) == n:
                     break
-                assert not any(t.done() for t in tasks), "a request finished before the fault"
+                done = [t.result() for t in tasks if t.done()]
+                assert not done, ("a request finished before the fault", [
+                    (r.request_id, r.code, r.details, r.last and r.last.timings) for r in done[:3]])
                 await asyncio.sleep(0.02)
             figures["in_flight_at_kill"] = len(phases)
             figures["phases_at_kill"] = dict(Counter(p["phase"] for p in phases.values()))
