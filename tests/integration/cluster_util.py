@@ -73,6 +73,12 @@ async def generate(stub, request_id: str, prompt, max_tokens: int, *, timeout_s:
     return out
 
 
+async def drain(call) -> list:
+    """Every delta of a Generate stream, read to its end: for callers that only need the call's
+    outcome (its status, or what the router did meanwhile), not the tokens."""
+    return [delta async for delta in call]
+
+
 def channel(port: int) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(f"127.0.0.1:{port}")
 

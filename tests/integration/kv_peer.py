@@ -8,6 +8,7 @@ Not a test module (no test_ prefix); imported by the tests with its folder on sy
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -186,19 +187,16 @@ class Peer:
     def request_stop(self) -> None:
         if self.proc.is_alive() and not self._stop_sent:
             self._stop_sent = True
-            try:
+            with contextlib.suppress(OSError):  # the peer is gone already: nothing to stop
                 self.conn.send(("stop",))
-            except OSError:
-                pass
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the process to close its transports and exit; kill it if it does not."""
         self.request_stop()
         if self.proc.is_alive():
-            try:
+            # A peer that does not confirm in time is killed below, so its answer is optional.
+            with contextlib.suppress(OSError, EOFError, TimeoutError, RuntimeError):
                 self._expect("stopped", timeout_s)
-            except (OSError, EOFError, TimeoutError, RuntimeError):
-                pass
         self.proc.join(timeout_s)
         if self.proc.is_alive():
             self.proc.kill()

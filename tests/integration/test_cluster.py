@@ -9,13 +9,16 @@ import asyncio
 import dataclasses
 import os
 import re
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 import ray  # noqa: E402
@@ -28,6 +31,7 @@ from pdserve.cluster.launch import LaunchConfig, builtin_model_dir, ensure_ray, 
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
 from pdserve.cluster.rpc import router_pb2_grpc  # noqa: E402
+from cluster_util import drain  # noqa: E402
 
 ENGINE = dict(tokens_per_block=4, max_batch_size=8, max_num_tokens=64,
               context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=8, num_kv_blocks=256)
@@ -161,8 +165,7 @@ def test_health_reflection_and_validation(cluster):
             stub = router_pb2_grpc.RouterStub(channel)
             bad = Client.build_request([1, 2, 3], max_tokens=4, top_p=1.5)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in stub.Generate(bad, timeout=10):
-                    pass
+                await drain(stub.Generate(bad, timeout=10))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "sampling.top_p" in err.value.details()
 
@@ -181,8 +184,7 @@ def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
             async def one(rid, hierarchy, max_tokens=4):
                 req = Client.build_request([5, 6, 7, 8], max_tokens=max_tokens, request_id=rid,
                                            agent_hierarchy=hierarchy, **GREEDY)
-                async for _ in stub.Generate(req, timeout=120):
-                    pass
+                await drain(stub.Generate(req, timeout=120))
 
             blocker = asyncio.create_task(one("blocker", [], max_tokens=600))
             async with asyncio.timeout(60):  # the blocker is dispatched; everything else queues

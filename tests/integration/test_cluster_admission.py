@@ -153,8 +153,7 @@ async def _health(ch) -> int:
 
 async def _expect_error(stub, req: pb.GenerateRequest) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in stub.Generate(req, timeout=30):
-            pass
+        await U.drain(stub.Generate(req, timeout=30))
     return err.value
 
 

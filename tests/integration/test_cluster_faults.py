@@ -85,6 +85,19 @@ def _assert_served_again(cl, model_dir, worker_id: str, seed: int) -> None:
     assert worker_id in used, (used, [r.last.timings for r in results])
 
 
+def _recovered(cl, model_dir, worker_id: str, seed: int, figures: dict, label: str) -> None:
+    """After a kill: the faulty period leaves nothing behind, the restarted worker rejoins and
+    serves correct output again, and no block leaks. Prints the test's figures."""
+    U.wait_drained(cl)
+    _wait_rejoined(cl, worker_id)
+    _assert_served_again(cl, model_dir, worker_id, seed=seed)
+    final = U.wait_drained(cl)
+    figures["leaked_blocks"] = sum(w.total_kv_blocks - w.free_kv_blocks for w in final.workers)
+    figures["router_retries"] = final.totals.retries
+    print(f"\n{label}:", figures)
+    assert figures["leaked_blocks"] == 0
+
+
 def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir):
     n, max_tokens = 100, 48
     # A retry's prompt (prompt + streamed tokens) may pass max_input_len: the tokens that do
@@ -147,14 +160,7 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
     gen1 = next(w for w in st.workers if w.worker_id == "gen-1")
     assert set(gen1.transfers.outcomes) == {"COMPLETE"}, dict(gen1.transfers.outcomes)
 
-    U.wait_drained(cl)  # the faulty period leaves nothing behind
-    _wait_rejoined(cl, "gen-0")
-    _assert_served_again(cl, model_dir, "gen-0", seed=22)
-    final = U.wait_drained(cl)
-    figures["leaked_blocks"] = sum(w.total_kv_blocks - w.free_kv_blocks for w in final.workers)
-    figures["router_retries"] = final.totals.retries
-    print("\ngeneration worker kill:", figures)
-    assert figures["leaked_blocks"] == 0
+    _recovered(cl, model_dir, "gen-0", 22, figures, "generation worker kill")
 
 
 def test_context_worker_killed_mid_transfer(cluster, model_dir):
@@ -208,14 +214,7 @@ def test_context_worker_killed_mid_transfer(cluster, model_dir):
     ctx1 = next(w for w in st.workers if w.worker_id == "ctx-1")
     assert set(ctx1.transfers.outcomes) == {"SENT"}, dict(ctx1.transfers.outcomes)
 
-    U.wait_drained(cl)  # the faulty period leaves nothing behind
-    _wait_rejoined(cl, "ctx-0")
-    _assert_served_again(cl, model_dir, "ctx-0", seed=32)
-    final = U.wait_drained(cl)
-    figures["leaked_blocks"] = sum(w.total_kv_blocks - w.free_kv_blocks for w in final.workers)
-    figures["router_retries"] = final.totals.retries
-    print("\ncontext worker kill:", figures)
-    assert figures["leaked_blocks"] == 0
+    _recovered(cl, model_dir, "ctx-0", 32, figures, "context worker kill")
 
 
 # ---------------------------------------------------------------------------- cancellation
