@@ -571,8 +571,7 @@ class Router(router_pb2_grpc.RouterServicer):
                                             "(no update, no heartbeat)") from None
                     continue
                 if frame is CLOSED:
-                    self._mark_unhealthy(worker_id, f"request channel closed: {channel.closed_reason}")
-                    raise WorkerFailure(f"{worker_id}: {channel.closed_reason}")
+                    raise ChannelClosed(channel.closed_reason)
                 if "rejected" in frame:
                     raise RequestRejected(frame["rejected"])  # the request, not the worker
                 if "error" in frame:

@@ -263,7 +263,7 @@ class RequestChannelServer:
             conns = list(self._connections)
         for conn in conns:
             conn.queue({"hb": 1})
-            conn.flush()
+        self._flush_all()
 
     def _flush_all(self) -> None:
         with self._lock:

@@ -134,17 +134,7 @@ class WorkerLoop:
         """Queue a request; raises ValueError (from validation) synchronously. ``deadline`` is
         a time.monotonic() value; see Executor.add_request."""
         stream = RequestStream(request.request_id)
-
-        def add() -> None:
-            if request.request_id in self._tombstones:  # aborted before it arrived
-                del self._tombstones[request.request_id]
-                stream.put(RequestUpdate(request.request_id, [], True, "abort"))
-                return
-            self.executor.add_request(request, params, deadline=deadline,
-                                      forced_tokens=forced_tokens)
-            self._streams[request.request_id] = stream
-
-        self._call(add, timeout_s)
+        self._call(lambda: self._add(request, params, stream, deadline, forced_tokens), timeout_s)
         return stream
 
     def submit_nowait(self, request: LlmRequest, params: SamplingParams,
@@ -156,20 +146,25 @@ class WorkerLoop:
         stream = _SinkStream(request.request_id, sink)
 
         def add() -> None:
-            if request.request_id in self._tombstones:  # aborted before it arrived
-                del self._tombstones[request.request_id]
-                stream.put(RequestUpdate(request.request_id, [], True, "abort"))
-            else:
-                try:
-                    self.executor.add_request(request, params, deadline=deadline,
-                                              forced_tokens=forced_tokens)
-                except Exception as exc:  # refused: the loop goes on
-                    rejected(exc)
-                else:
-                    self._streams[request.request_id] = stream
+            try:
+                self._add(request, params, stream, deadline, forced_tokens)
+            except Exception as exc:  # refused: the loop goes on
+                rejected(exc)
             self._run_flush_hooks()
 
         self.post(add)
+
+    def _add(self, request: LlmRequest, params: SamplingParams,
+             stream: "RequestStream | _SinkStream", deadline: float | None,
+             forced_tokens: Sequence[int]) -> None:
+        """On the loop thread: admit the request (its ValueError propagates), or finish it as
+        aborted at once when its abort overtook it."""
+        if request.request_id in self._tombstones:
+            del self._tombstones[request.request_id]
+            stream.put(RequestUpdate(request.request_id, [], True, "abort"))
+            return
+        self.executor.add_request(request, params, deadline=deadline, forced_tokens=forced_tokens)
+        self._streams[request.request_id] = stream
 
     def abort(self, request_id: int, timeout_s: float = 30.0) -> bool:
         return bool(self._call(lambda: self.abort_now(request_id), timeout_s))
