@@ -568,6 +568,18 @@ class _Sessions:
             self._finish(s, self._failed, reason)
             return True
 
+    def expire(self, request_id: int, reason: str = "deadline exceeded") -> bool:
+        """The data plane ran out of time waiting for this session's op (its wait uses the same
+        deadline): final as the expired state, not as a failure, even when the clock check in
+        ``poll`` has not run yet. An in-flight session is quarantined until ``op_finished``.
+        False when the session is already final or unknown."""
+        with self._lock:
+            s = self._sessions.get(request_id)
+            if s is None or s.state not in self._edges:
+                return False
+            self._finish(s, self._expired_state(s), reason)
+            return True
+
     def cancel(self, request_id: int, reason: str = "cancelled") -> bool:
         """Cancel a live session; an in-flight one is quarantined. False if unknown or final."""
         with self._lock:

@@ -83,7 +83,15 @@ class _Deadline:
         return _td(left)
 
     def wait(self, work: dist.Work, what: str) -> None:
-        if not work.wait(self.left(what)):
+        try:
+            done = work.wait(self.left(what))
+        except RuntimeError as exc:
+            # gloo raises (rather than returning False) when the wait runs out; that is this
+            # deadline passing, not a broken peer
+            if time.monotonic() >= self.at:
+                raise TimeoutError(f"{what} did not complete in time") from exc
+            raise
+        if not done:
             raise TimeoutError(f"{what} did not complete in time")
 
 
@@ -710,6 +718,10 @@ class _ReceiverPair:
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
         except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
             why = _why(exc)
+            if isinstance(exc, TimeoutError):
+                # the transfer deadline passed while waiting: TIMED_OUT, whichever of this wait
+                # and the session's clock check noticed first
+                sessions.expire(rid, "deadline exceeded")
             if proceed:
                 sessions.op_finished(rid, ok=False, nbytes=0, seconds=time.perf_counter() - t0,
                                      reason=why)

@@ -413,6 +413,21 @@ def test_receiver_timed_out_in_flight_is_quarantined(rx: ReceiverSessions,
     assert rx.num_quarantined_blocks == 0
 
 
+def test_data_plane_timeout_is_timed_out_not_failed(rx: ReceiverSessions) -> None:
+    """The pair thread's wait (same deadline) can run out just before the clock check in poll:
+    it reports expiry, and the session ends TIMED_OUT either way, after its quarantine."""
+    reserve(rx, 1, (10, 11), cached=0, timeout_s=2.0)
+    rx.request(1, group="g", seq=0)
+    assert rx.begin_op(1)
+    assert rx.expire(1)
+    assert rx.poll() == [] and rx.num_quarantined_blocks == 2
+    assert rx.fail(1, "wait timed out") is False and rx.expire(1) is False
+    rx.op_finished(1, ok=False, nbytes=0, seconds=2.0, reason="wait timed out")
+    (r,) = rx.poll()
+    assert (r.state, r.ok, r.reason) == (RecvState.TIMED_OUT, False, "deadline exceeded")
+    assert rx.outcomes == {"TIMED_OUT": 1}
+
+
 @pytest.mark.parametrize("state", ["RESERVED", "REQUESTED", "RECEIVING"])
 def test_receiver_cancel_in_each_live_state(rx: ReceiverSessions, state: str) -> None:
     reserve(rx, 1, (10, 11), cached=0)
