@@ -24,6 +24,7 @@ longer exists), and requests still carrying it are refused before they touch the
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 import threading
 import time
@@ -73,22 +74,29 @@ def _td(seconds: float) -> datetime.timedelta:
 class _Deadline:
     """A real-time (monotonic) deadline for the waits of one op."""
 
+    # c10d takes whole milliseconds (rounded down): waits ask for one more so that a wait that
+    # runs out means the deadline has passed
+    _MS = 1e-3
+
     def __init__(self, seconds: float) -> None:
         self.at = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
 
     def left(self, what: str) -> datetime.timedelta:
         left = self.at - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"deadline passed before {what}")
-        return _td(left)
+        return datetime.timedelta(milliseconds=math.ceil(left / self._MS) + 1)
 
     def wait(self, work: dist.Work, what: str) -> None:
         try:
             done = work.wait(self.left(what))
         except RuntimeError as exc:
-            # gloo raises (rather than returning False) when the wait runs out; that is this
+            # gloo raises (rather than returning False) when the wait runs out: that is this
             # deadline passing, not a broken peer
-            if time.monotonic() >= self.at:
+            if self.passed() or "Timed out waiting" in str(exc):
                 raise TimeoutError(f"{what} did not complete in time") from exc
             raise
         if not done:
@@ -718,9 +726,9 @@ class _ReceiverPair:
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
         except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
             why = _why(exc)
-            if isinstance(exc, TimeoutError):
-                # the transfer deadline passed while waiting: TIMED_OUT, whichever of this wait
-                # and the session's clock check noticed first
+            if isinstance(exc, TimeoutError) or op.deadline.passed():
+                # the transfer deadline passed while waiting (for the rendezvous or the data):
+                # TIMED_OUT, whichever of this thread and the session's clock check noticed first
                 sessions.expire(rid, "deadline exceeded")
             if proceed:
                 sessions.op_finished(rid, ok=False, nbytes=0, seconds=time.perf_counter() - t0,

@@ -130,8 +130,10 @@ def test_1p1d_matches_engine_and_pauses_under_a_small_generation_pool(cluster, m
     assert dict(gen.transfers.outcomes) == {"COMPLETE": len(prompts)}
 
     # The same figures reach Ray's Prometheus endpoint.
+    # (each process exports on its own cycle: wait until both sides' last figures are in)
     text = _scrape_until(lambda t: _metric_sum(t, "ray_pdserve_paused_requests") >= gen.pauses
-                         and _metric_sum(t, "ray_pdserve_kv_transfers", role="generation") >= len(prompts))
+                         and _metric_sum(t, "ray_pdserve_kv_transfers", role="generation") >= len(prompts)
+                         and _metric_sum(t, "ray_pdserve_kv_transfers", role="context") >= len(prompts))
     assert _metric_sum(text, "ray_pdserve_paused_requests") == gen.pauses
     assert _metric_sum(text, "ray_pdserve_kv_transfers", role="generation") == len(prompts)
     assert _metric_sum(text, "ray_pdserve_kv_transfers", role="context") == len(prompts)
@@ -186,17 +188,25 @@ def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
                                            agent_hierarchy=hierarchy, **GREEDY)
                 await drain(stub.Generate(req, timeout=120))
 
-            blocker = asyncio.create_task(one("blocker", [], max_tokens=600))
-            async with asyncio.timeout(60):  # the blocker is dispatched; everything else queues
-                while (await cl.router.request_phases.remote()).get("blocker", {}).get(
-                        "phase", "queued") == "queued":
-                    await asyncio.sleep(0.02)
+            async def phase_of(rid):
+                return (await cl.router.request_phases.remote()).get(rid, {}).get("phase")
+
+            # The blocker's KV send is held, so it stays in flight until every other request
+            # has queued behind it, however slow this machine is.
+            await cl.workers["ctx-0"].test_hook.remote("stall_send", 60.0)
+            blocker = asyncio.create_task(one("blocker", [], max_tokens=8))
             others = [("chat-1", []), ("agent-n7", [("AgentDeepResearch", 7)]), ("chat-2", []),
                       ("agent-n3", [("AgentDeepResearch", 3)])]
             tasks = []
-            for rid, h in others:
-                tasks.append(asyncio.create_task(one(rid, h)))
-                await asyncio.sleep(0.05)
+            async with asyncio.timeout(60):
+                while await phase_of("blocker") in (None, "queued"):
+                    await asyncio.sleep(0.02)
+                for rid, h in others:  # each one queued before the next arrives
+                    tasks.append(asyncio.create_task(one(rid, h)))
+                    while await phase_of(rid) is None:
+                        await asyncio.sleep(0.02)
+                    assert await phase_of(rid) == "queued"
+            await cl.workers["ctx-0"].test_hook.remote("stall_send", 0.0)
             await asyncio.gather(blocker, *tasks)
 
     asyncio.run(run())

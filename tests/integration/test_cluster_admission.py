@@ -169,10 +169,13 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_stays_healthy(shar
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.code(), err.details())
                 assert err.details().startswith(field + ":"), (case, err.details())
 
-            # A duplicate of a request id that is in flight.
+            # A duplicate of a request id that is in flight (its KV send is held meanwhile).
+            ctx = shared.workers["ctx-0"]
+            await ctx.test_hook.remote("stall_send", 60.0)
             first = asyncio.create_task(U.generate(stub, "dup", prompt, 100))
             await _wait_in_router(shared, "dup")
             err = await _expect_error(stub, _req(request_id="dup"))
+            await ctx.test_hook.remote("stall_send", 0.0)
             assert err.code() == grpc.StatusCode.ALREADY_EXISTS and err.details().startswith("request_id:")
             original = await first
             assert original.code is None and len(original.tokens) == 100

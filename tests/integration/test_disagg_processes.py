@@ -206,7 +206,7 @@ def test_generation_side_prefix_reuse_cuts_the_bytes_sent(spawn):
 def test_full_generation_pool_keeps_generation_init_requests_waiting(spawn):
     # Each send stalls a while, so the first request still holds the generation pool when the
     # others arrive however slowly the submissions go (a loaded machine finished it first).
-    ctx = spawn("context", "ctx-0", stall_send_s=1.5)
+    ctx = spawn("context", "ctx-0", stall_send_s=3.0)
     # 9 blocks: one 24-token request needs ceil((24 + 8) / 4) = 8 to completion under GNE.
     gen = spawn("generation", "gen-0", engine={"num_kv_blocks": 9},
                 peers={"ctx-0": "%s:%d" % ctx.client.address})
@@ -217,8 +217,13 @@ def test_full_generation_pool_keeps_generation_init_requests_waiting(spawn):
         done[rid] = _context_result(ctx, rid)
     for rid, p in enumerate(prompts):
         _submit_generation(gen, rid, p, done[rid])
-    states = gen.call("status")["requests_by_state"]
-    assert states.get("DISAGG_GENERATION_INIT", 0) >= 1, states
+    deadline = time.monotonic() + 30
+    while True:  # the first receive holds the pool: a later request waits, reserved nothing
+        states = gen.call("status")["requests_by_state"]
+        if states.get("DISAGG_GENERATION_INIT", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, states
+        time.sleep(0.02)
     for rid in range(3):
         tokens, last = _generation_result(gen, rid, done[rid])
         assert last["finish_reason"] == "length" and len(tokens) == MAX_NEW
@@ -227,7 +232,7 @@ def test_full_generation_pool_keeps_generation_init_requests_waiting(spawn):
 
 
 def test_unclaimed_context_lease_expires_and_frees_blocks(spawn):
-    ctx = spawn("context", "ctx-0", lease_s=1.0)
+    ctx = spawn("context", "ctx-0", lease_s=3.0)
     _submit_context(ctx, 1, _prompts(1, seed=3, lo=20, hi=20)[0])
     _context_result(ctx, 1)
     held = ctx.call("status")

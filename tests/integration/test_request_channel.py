@@ -23,7 +23,10 @@ from pdserve.workers.worker_loop import WorkerLoop
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-ENGINE = dict(tokens_per_block=4, num_kv_blocks=512, max_batch_size=8, max_num_tokens=64)
+# Room for three 1500-token requests: the abort and close tests must act on requests that are
+# still decoding, however slowly this (shared) process runs.
+ENGINE = dict(tokens_per_block=4, num_kv_blocks=4096, max_batch_size=8, max_num_tokens=64)
+LONG = 1500
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22], [5] * 13, [7, 8, 9, 10, 11]]
 WAIT_S = 30.0
 
@@ -149,7 +152,7 @@ def test_an_abort_frame_ends_the_request_and_frees_its_blocks(server):
     async def run():
         channel = await _connect(server)
         q = channel.attempt(7)
-        channel.generate(_wire(7, PROMPTS[0], 200))
+        channel.generate(_wire(7, PROMPTS[0], LONG))
         first = await _started(q)
         channel.abort(7)
         rest = await _frames(q)
@@ -158,7 +161,7 @@ def test_an_abort_frame_ends_the_request_and_frees_its_blocks(server):
 
     frames = asyncio.run(run())
     assert frames[-1]["u"]["finished"] and frames[-1]["u"]["finish_reason"] == "abort"
-    assert 0 < len(_tokens(frames)) < 200
+    assert 0 < len(_tokens(frames)) < LONG
     _drained(server)
 
 
@@ -167,7 +170,7 @@ def test_a_closed_connection_aborts_every_request_it_owns(server):
         channel = await _connect(server)
         queues = [channel.attempt(20 + i) for i in range(3)]
         for i in range(3):
-            channel.generate(_wire(20 + i, PROMPTS[i], 300))
+            channel.generate(_wire(20 + i, PROMPTS[i], LONG))
         for q in queues:  # each has started decoding
             await _started(q)
         channel.close("test closes it")
@@ -182,13 +185,13 @@ def test_a_garbled_stream_ends_only_its_own_connection(server):
     async def run():
         healthy = await _connect(server)
         q = healthy.attempt(31)
-        healthy.generate(_wire(31, PROMPTS[2], 300))
+        healthy.generate(_wire(31, PROMPTS[2], LONG))
         await _started(q)
 
         host, port = server.endpoint.rsplit(":", 1)
         raw = socket.create_connection((host, int(port)), timeout=5)
         raw.sendall(pack_frame({"op": "hello", "token": server.token})
-                    + pack_frame({"op": "generate", "wire": _wire(32, PROMPTS[0], 300)})
+                    + pack_frame({"op": "generate", "wire": _wire(32, PROMPTS[0], LONG)})
                     + b"\xc1")  # 0xc1 is never used in msgpack
         raw.settimeout(WAIT_S)
         data = b""
