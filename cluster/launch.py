@@ -92,9 +92,58 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
         client_auth_env()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False
-    ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
-             dashboard_host="127.0.0.1", log_to_driver=False)
-    return True
+    # Starting the head processes can fail transiently (seen: the dashboard process aborting
+    # before it wrote a log line, about once in 30 starts on a loaded 2-core machine). A failed
+    # start is torn down (its processes, this process's new descendants, are killed) and retried
+    # once, so it neither leaks a half-started cluster nor fails the caller for nothing.
+    for attempt in (1, 2):
+        before = _descendants()
+        try:
+            ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
+                     dashboard_host="127.0.0.1", log_to_driver=False)
+            return True
+        except Exception as exc:
+            if ray.is_initialized():
+                ray.shutdown()
+            _kill(_descendants() - before)
+            if attempt == 2:
+                raise
+            log.warning("starting the embedded Ray cluster failed (%s); retrying once",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    raise AssertionError("unreachable")
+
+
+def _descendants() -> set[int]:
+    """PIDs of this process's descendants (from /proc; empty where there is no /proc)."""
+    parent_of: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return set()
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # the command name (field 2) is in parentheses and may hold spaces
+                parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent_of.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _kill(pids: set[int]) -> None:
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 @dataclass
