@@ -113,6 +113,7 @@ class WorkerActorBase:
         self.config = EngineConfig.from_kwargs(engine)
         self.transfer_timeout_s = transfer_timeout_s
         self._stall_send_s = stall_send_s  # test hook; changed at run time by test_hook
+        self._slow_steps_s = 0.0  # test hook: a pause after each step that has running requests
         self._ctx_handles: dict[str, Any] = {}
         self._hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._hashes_lock = threading.Lock()  # advertised from several threads
@@ -145,7 +146,9 @@ class WorkerActorBase:
             self.metrics = WorkerMetrics(self.role, worker_id)
         self.loop = WorkerLoop(self.executor, name=worker_id, send_control=self._send_control,
                                on_step=self._on_step, route_by_endpoint=True,
-                               on_fatal=self._on_fatal).start()
+                               on_fatal=self._on_fatal)
+        self.loop.add_tick_hook(self._slow_step)
+        self.loop.start()
         # The router's request data path (see request_channel.py); Ray's ``generate`` stays for
         # callers that hold only an actor handle.
         self.channel = RequestChannelServer(self.loop, self._from_wire, update_to_wire,
@@ -207,11 +210,15 @@ class WorkerActorBase:
 
     def test_hook(self, name: str, *args: Any) -> Any:
         """Fault injection for tests. ``stall_send(seconds)``: each KV send stalls that long
-        after its header (0 turns it off). ``leak_blocks(request_id, num_tokens)``: blocks held
+        after its header (0 turns it off). ``slow_steps(seconds)``: a slow worker, pausing that
+        long after each step while requests run (0 turns it off). ``leak_blocks(request_id, num_tokens)``: blocks held
         by no live request (an invariant violation). ``release_leak(request_id)``."""
         if name == "stall_send":
             self._stall_send_s = float(args[0])
             return self._stall_send_s
+        if name == "slow_steps":
+            self._slow_steps_s = float(args[0])
+            return self._slow_steps_s
         if name == "leak_blocks":
             rid, num_tokens = int(args[0]), int(args[1])
             kv = self.executor.kv
@@ -220,6 +227,10 @@ class WorkerActorBase:
             rid = int(args[0])
             return self.loop.call(lambda: self.executor.kv.remove_sequence(rid))
         raise ValueError(f"unknown test hook {name!r}")
+
+    def _slow_step(self) -> None:
+        if self._slow_steps_s > 0 and self.executor.active:  # loop thread: a tick hook
+            time.sleep(self._slow_steps_s)
 
     def cached_block_hashes(self) -> list[int]:
         with self._hashes_lock:

@@ -99,9 +99,7 @@ def _recovered(cl, model_dir, worker_id: str, seed: int, figures: dict, label: s
 
 
 def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir):
-    # Long enough that no request finishes before the kill, however slowly this test's polls
-    # run: the kill comes once some requests on gen-0 have streamed ~5-25 tokens.
-    n, max_tokens = 100, 96
+    n, max_tokens = 100, 48
     # A retry's prompt (prompt + streamed tokens) may pass max_input_len: the tokens that do
     # not fit are forced (regenerated as what the client already has, not sent again). The pool
     # holds all 100 at full length on one worker (no pauses after the kill).
@@ -124,9 +122,13 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
             stub = U.stub_of(ch)
             tasks = [asyncio.create_task(U.generate(stub, f"g{i}", p, max_tokens, on_delta=seen))
                      for i, p in enumerate(batch)]
-            # KV sends are held until all 100 requests are in (so none can finish early).
+            # KV sends are held until all 100 requests are in, and both generation workers pause
+            # 30 ms after each step until the kill: no request can finish before it, however
+            # slowly this test's polls run.
             while len(await cl.router.request_phases.remote()) < n:
                 await asyncio.sleep(0.02)
+            for w in ("gen-0", "gen-1"):
+                await cl.workers[w].test_hook.remote("slow_steps", 0.03)
             await cl.workers["ctx-0"].test_hook.remote("stall_send", 0.0)
             while True:  # all 100 in flight, decoding under way on gen-0, some past 44 tokens
                 phases = await cl.router.request_phases.remote()
@@ -145,6 +147,7 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
                                              for p in phases.values())
             ray.kill(cl.workers["gen-0"], no_restart=False)  # Ray restarts it
             got_at_kill.update(streamed)
+            await cl.workers["gen-1"].test_hook.remote("slow_steps", 0.0)
             return await asyncio.gather(*tasks)
 
     results = U.run(go(), 300)
