@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .router import RouterConfig
 
@@ -92,25 +92,30 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
         client_auth_env()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False
-    # Starting the head processes can fail transiently (seen: the dashboard process aborting
-    # before it wrote a log line, about once in 30 starts on a loaded 2-core machine). A failed
-    # start is torn down (its processes, this process's new descendants, are killed) and retried
-    # once, so it neither leaks a half-started cluster nor fails the caller for nothing.
+    start_embedded(ray.init, namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
+                   dashboard_host="127.0.0.1", log_to_driver=False)
+    return True
+
+
+def start_embedded(init: Callable[..., Any], **kwargs: Any) -> None:
+    """``init(**kwargs)`` (``ray.init`` for a local cluster), retried once after a failure.
+
+    Starting the head processes can fail transiently: Ray forks them with a ``preexec_fn``, and
+    from a driver with many threads the child can abort before exec (seen: "Failed to start the
+    dashboard, return code -6", about once in 15 starts in a test process that had run several
+    clusters). A failed start is torn down, its processes (this process's new descendants)
+    killed, so it neither leaks a half-started cluster nor fails the caller for nothing."""
     for attempt in (1, 2):
         before = _descendants()
         try:
-            ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
-                     dashboard_host="127.0.0.1", log_to_driver=False)
-            return True
+            init(**kwargs)
+            return
         except Exception as exc:
-            if ray.is_initialized():
-                ray.shutdown()
             _kill(_descendants() - before)
             if attempt == 2:
                 raise
             log.warning("starting the embedded Ray cluster failed (%s); retrying once",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    raise AssertionError("unreachable")
 
 
 def _descendants() -> set[int]:
