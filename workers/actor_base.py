@@ -211,8 +211,9 @@ class WorkerActorBase:
     def test_hook(self, name: str, *args: Any) -> Any:
         """Fault injection for tests. ``stall_send(seconds)``: each KV send stalls that long
         after its header (0 turns it off). ``slow_steps(seconds)``: a slow worker, pausing that
-        long after each step while requests run (0 turns it off). ``leak_blocks(request_id, num_tokens)``: blocks held
-        by no live request (an invariant violation). ``release_leak(request_id)``."""
+        long after each step while requests run (0 turns it off).
+        ``leak_blocks(request_id, num_tokens)``: blocks held by no live request (an invariant
+        violation). ``release_leak(request_id)``."""
         if name == "stall_send":
             self._stall_send_s = float(args[0])
             return self._stall_send_s
