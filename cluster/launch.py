@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -142,8 +143,6 @@ def _descendants() -> set[int]:
 
 
 def _kill(pids: set[int]) -> None:
-    import signal
-
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -235,9 +234,8 @@ def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
     # started) once its router is gone, so everything else must be done by then.
     names.sort(key=lambda n: n == ROUTER_NAME)
     for name in names:
-        ns = namespace
         try:
-            ray.kill(ray.get_actor(name, namespace=ns))
+            ray.kill(ray.get_actor(name, namespace=namespace))
             killed.append(name)
         except ValueError:  # gone meanwhile
             pass

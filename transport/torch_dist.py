@@ -74,10 +74,6 @@ def _td(seconds: float) -> datetime.timedelta:
 class _Deadline:
     """A real-time (monotonic) deadline for the waits of one op."""
 
-    # c10d takes whole milliseconds (rounded down): waits ask for one more so that a wait that
-    # runs out means the deadline has passed
-    _MS = 1e-3
-
     def __init__(self, seconds: float) -> None:
         self.at = time.monotonic() + seconds
 
@@ -88,18 +84,12 @@ class _Deadline:
         left = self.at - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"deadline passed before {what}")
-        return datetime.timedelta(milliseconds=math.ceil(left / self._MS) + 1)
+        # c10d takes whole milliseconds, rounded down: ask for one more, so that a wait that
+        # runs out (gloo raises rather than returning False) means the deadline has passed
+        return datetime.timedelta(milliseconds=math.ceil(left * 1000) + 1)
 
     def wait(self, work: dist.Work, what: str) -> None:
-        try:
-            done = work.wait(self.left(what))
-        except RuntimeError as exc:
-            # gloo raises (rather than returning False) when the wait runs out: that is this
-            # deadline passing, not a broken peer
-            if self.passed() or "Timed out waiting" in str(exc):
-                raise TimeoutError(f"{what} did not complete in time") from exc
-            raise
-        if not done:
+        if not work.wait(self.left(what)):
             raise TimeoutError(f"{what} did not complete in time")
 
 
@@ -726,7 +716,7 @@ class _ReceiverPair:
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
         except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
             why = _why(exc)
-            if isinstance(exc, TimeoutError) or op.deadline.passed():
+            if op.deadline.passed():
                 # the transfer deadline passed while waiting (for the rendezvous or the data):
                 # TIMED_OUT, whichever of this thread and the session's clock check noticed first
                 sessions.expire(rid, "deadline exceeded")

@@ -203,9 +203,9 @@ def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
                     await asyncio.sleep(0.02)
                 for rid, h in others:  # each one queued before the next arrives
                     tasks.append(asyncio.create_task(one(rid, h)))
-                    while await phase_of(rid) is None:
+                    while (phase := await phase_of(rid)) is None:
                         await asyncio.sleep(0.02)
-                    assert await phase_of(rid) == "queued"
+                    assert phase == "queued"
             await cl.workers["ctx-0"].test_hook.remote("stall_send", 0.0)
             await asyncio.gather(blocker, *tasks)
 
