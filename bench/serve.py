@@ -303,7 +303,9 @@ def _json_default(value):
 def add_workload_arguments(parser: argparse.ArgumentParser, *, num_requests: int = 100) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument("--trace", default="azure_llm_2023_conv.csv",
-                   help="file under ../shared/data/traces (Azure CSV, Mooncake JSONL) or a path")
+                   help="a bundled trace (azure_llm_2023_conv.csv, azure_llm_2023_code.csv, "
+                        "mooncake_fast25_conversation.jsonl, mooncake_fast25_synthetic.jsonl) or the path "
+                        "of a trace file of yours (Azure CSV or Mooncake JSONL, optionally .xz/.gz)")
     g.add_argument("--num-requests", type=int, default=num_requests)
     g.add_argument("--start", type=int, default=0, help="first trace row of the slice")
     g.add_argument("--time-scale", type=float, default=1.0,

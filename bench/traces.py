@@ -3,16 +3,25 @@
 Traces carry lengths and arrival times, not text. Prompts are synthesised: Azure rows get
 deterministic pseudo-random token ids; Mooncake rows build each 512-token block from its hash id
 so equal ids give equal blocks and a prefix cache sees the sharing the trace describes.
+
+The four public traces ship xz-compressed inside the package (``data/traces/``, with their
+provenance and licences in its README) and are loaded by name; any other trace file in one of the
+two formats is loaded by path.
 """
 from __future__ import annotations
 
 import csv
+import gzip
+import importlib.resources
+import io
 import json
-import os
+import lzma
 import random
 from dataclasses import dataclass
 from datetime import datetime
+from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import IO
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -25,77 +34,105 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()
 
 
-def default_traces_dir() -> Path:
-    """``../shared/data/traces`` beside the repository, or $PDSERVE_TRACES_DIR."""
-    env = os.environ.get("PDSERVE_TRACES_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
+BUNDLED_SUFFIX = ".xz"
 
 
-def resolve_trace(name_or_path: str | Path) -> Path:
+def bundled_traces_dir() -> Traversable:
+    """The traces shipped inside the package (``pdserve/data/traces``), xz-compressed."""
+    return importlib.resources.files("pdserve") / "data" / "traces"
+
+
+def bundled_trace_names() -> list[str]:
+    """Names ``load_trace`` accepts for the bundled traces (the file names without ``.xz``)."""
+    return sorted(entry.name[: -len(BUNDLED_SUFFIX)] for entry in bundled_traces_dir().iterdir()
+                  if entry.name.endswith(BUNDLED_SUFFIX))
+
+
+def resolve_trace(name_or_path: str | Path) -> Path | Traversable:
+    """A file the user names wins; otherwise a bundled trace by name (with or without ``.xz``)."""
     path = Path(name_or_path)
-    if path.exists():
+    if path.is_file():
         return path
-    candidate = default_traces_dir() / str(name_or_path)
-    if candidate.exists():
-        return candidate
-    raise FileNotFoundError(f"trace {name_or_path!r} not found (looked in {default_traces_dir()})")
+    name = str(name_or_path)
+    bundled = bundled_traces_dir() / (name if name.endswith(BUNDLED_SUFFIX) else name + BUNDLED_SUFFIX)
+    if bundled.is_file():
+        return bundled
+    raise FileNotFoundError(f"trace {name!r} is neither a file nor a bundled trace "
+                            f"(bundled: {', '.join(bundled_trace_names())})")
+
+
+def _trace_format(name: str) -> tuple[str, str]:
+    """(compression, format) from a file name such as ``x.csv``, ``x.jsonl.xz`` or ``x.csv.gz``."""
+    compression = ""
+    for suffix in (".xz", ".gz"):
+        if name.endswith(suffix):
+            compression, name = suffix, name[: -len(suffix)]
+    for suffix, fmt in ((".csv", "azure"), (".jsonl", "mooncake"), (".json", "mooncake")):
+        if name.endswith(suffix):
+            return compression, fmt
+    raise ValueError(f"unknown trace format for {name!r}: expected .csv (Azure) or .jsonl (Mooncake), "
+                     "optionally .xz or .gz compressed")
+
+
+def _open_text(source: Path | Traversable, compression: str) -> IO[str]:
+    raw = source.open("rb")
+    if compression == ".xz":
+        return io.TextIOWrapper(lzma.open(raw), newline="")
+    if compression == ".gz":
+        return io.TextIOWrapper(gzip.open(raw), newline="")
+    return io.TextIOWrapper(raw, newline="")
 
 
 def load_trace(name_or_path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    path = resolve_trace(name_or_path)
-    if path.suffix == ".csv":
-        return _load_azure(path, limit)
-    if path.suffix in (".jsonl", ".json"):
-        return _load_mooncake(path, limit)
-    raise ValueError(f"unknown trace format {path.suffix!r} for {path}")
+    """Rows of a bundled trace (by name) or of a trace file (Azure CSV or Mooncake JSONL)."""
+    source = resolve_trace(name_or_path)
+    compression, fmt = _trace_format(source.name)
+    with _open_text(source, compression) as f:
+        return _load_azure(f, limit) if fmt == "azure" else _load_mooncake(f, limit)
 
 
-def _load_azure(path: Path, limit: int | None) -> list[TraceRequest]:
+def _load_azure(f: IO[str], limit: int | None) -> list[TraceRequest]:
     rows: list[TraceRequest] = []
     t0: datetime | None = None
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            # Timestamps carry 7 fractional digits; datetime takes at most 6.
-            stamp = row["TIMESTAMP"].strip()
-            if "." in stamp:
-                head, frac = stamp.split(".", 1)
-                stamp = f"{head}.{frac[:6]}"
-            t = datetime.fromisoformat(stamp)
-            t0 = t0 or t
-            rows.append(
-                TraceRequest(
-                    arrival_s=(t - t0).total_seconds(),
-                    input_len=max(1, int(row["ContextTokens"])),
-                    output_len=max(1, int(row["GeneratedTokens"])),
-                )
+    for row in csv.DictReader(f):
+        # Timestamps carry 7 fractional digits; datetime takes at most 6.
+        stamp = row["TIMESTAMP"].strip()
+        if "." in stamp:
+            head, frac = stamp.split(".", 1)
+            stamp = f"{head}.{frac[:6]}"
+        t = datetime.fromisoformat(stamp)
+        t0 = t0 or t
+        rows.append(
+            TraceRequest(
+                arrival_s=(t - t0).total_seconds(),
+                input_len=max(1, int(row["ContextTokens"])),
+                output_len=max(1, int(row["GeneratedTokens"])),
             )
-            if limit is not None and len(rows) >= limit:
-                break
+        )
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
 
-def _load_mooncake(path: Path, limit: int | None) -> list[TraceRequest]:
+def _load_mooncake(f: IO[str], limit: int | None) -> list[TraceRequest]:
     rows: list[TraceRequest] = []
     t0: float | None = None
-    with path.open() as f:
-        for line in f:
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            ts = float(obj["timestamp"]) / 1000.0
-            t0 = ts if t0 is None else t0
-            rows.append(
-                TraceRequest(
-                    arrival_s=ts - t0,
-                    input_len=max(1, int(obj["input_length"])),
-                    output_len=max(1, int(obj["output_length"])),
-                    hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
-                )
+    for line in f:
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        ts = float(obj["timestamp"]) / 1000.0
+        t0 = ts if t0 is None else t0
+        rows.append(
+            TraceRequest(
+                arrival_s=ts - t0,
+                input_len=max(1, int(obj["input_length"])),
+                output_len=max(1, int(obj["output_length"])),
+                hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
             )
-            if limit is not None and len(rows) >= limit:
-                break
+        )
+        if limit is not None and len(rows) >= limit:
+            break
     return rows
 
 
