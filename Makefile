@@ -24,7 +24,7 @@ $(VENV)/.torch: | $(BIN)/python
 	$(PIP) install torch==2.13.0
 	touch $@
 
-$(VENV)/.installed-%: pyproject.toml $(VENV)/.torch
+$(VENV)/.installed-%: pyproject.toml setup.py $(VENV)/.torch
 	$(PIP) install -e '.[$*]'
 	touch $@
 

@@ -174,7 +174,7 @@ def _step_table(title: str) -> Table:
 def main(argv: list[str] | None = None) -> int:
     D = ReplayConfig()
     parser = argparse.ArgumentParser(
-        prog="pdserve demo",
+        prog="pdserve demo-scheduler",
         description="Replay the Azure conversation trace through pdserve's schedulers.",
     )
     parser.add_argument("--policy", default="all", choices=("all",) + POLICIES)

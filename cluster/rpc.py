@@ -1,32 +1,34 @@
-"""The generated gRPC stubs for proto/pdserve/v1/router.proto, built on import.
+"""The generated gRPC stubs for proto/pdserve/v1/router.proto, and the proto -> policies
+conversions the router needs (``spec_from_proto``).
 
-router_pb2.py and router_pb2_grpc.py are build outputs (git-ignored). Importing this module runs
-grpc_tools.protoc (from grpcio-tools) when they are missing or older than the .proto, then exposes
-``router_pb2`` and ``router_pb2_grpc``. Generation is guarded by an exclusive file lock and lands by
-atomic rename, so concurrent processes (parallel test workers, several Ray actors) never see a
-half-written stub. protoc runs with ``-I proto`` so the descriptor keeps its canonical name
-"pdserve/v1/router.proto" (what reflection serves); the ``_grpc`` module's absolute import of
-``pdserve.v1.router_pb2`` is then rewritten to a relative one, since the package lives at
-``pdserve.proto.pdserve.v1``. With $PDSERVE_STUB_DIR set, or when the package folder is read-only
-(a non-editable install), the stubs go to that folder (default: a per-user cache folder) and are
-loaded from there under the same module names.
-
-Also here: the proto <-> policies conversions the router needs (``spec_from_proto``).
+Where the stubs come from (generation itself is pdserve.proto.stubs):
+- $PDSERVE_STUB_DIR set: generated into that folder and loaded from there.
+- A source checkout (editable install): generated on first import next to the .proto when missing
+  or stale (git-ignored), then imported as ``pdserve.proto.pdserve.v1.router_pb2[_grpc]``.
+- An installed package: the stubs built into the wheel. When they are missing or do not import
+  with the installed grpcio/protobuf (a wheel built against newer ones), they are generated with
+  the installed grpcio-tools into a per-user cache folder; never next to the installed files.
+Stubs loaded from a folder other than the package's get the same module names.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import importlib
 import importlib.util
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+
+from pdserve.proto.stubs import (
+    PROTO_FILE,
+    PROTO_REL,
+    STUB_NAMES,
+    StubFolder,
+    cache_root,
+    ensure_stubs,
+    is_source_checkout,
+    stubs_are_current,
+)
 
 from .policies import (
     DEFAULT_MAX_TOKENS,
@@ -36,108 +38,23 @@ from .policies import (
     GenerateSpec,
 )
 
-PROTO_ROOT = Path(__file__).resolve().parent.parent / "proto"  # the -I root
-PROTO_REL = "pdserve/v1/router.proto"
-PROTO_FILE = PROTO_ROOT / PROTO_REL
 STUB_PACKAGE = "pdserve.proto.pdserve.v1"
-STUB_NAMES = ("router_pb2", "router_pb2_grpc")
 ROUTER_SERVICE_NAME = "pdserve.v1.Router"
 STUB_DIR_ENV = "PDSERVE_STUB_DIR"  # optional: generate and load the stubs there instead
 
-_ABS_IMPORT = re.compile(r"^from pdserve\.v1 import (\w+_pb2) as ", re.MULTILINE)
+
+def _forget_stubs() -> None:
+    for name in STUB_NAMES:
+        sys.modules.pop(f"{STUB_PACKAGE}.{name}", None)
 
 
-def _stub_paths(out_root: Path) -> list[Path]:
-    folder = out_root / Path(PROTO_REL).parent
-    return [folder / f"{name}.py" for name in STUB_NAMES]
-
-
-def _tools_version() -> str | None:
+def _import_packaged() -> tuple[ModuleType, ModuleType]:
     try:
-        from grpc_tools.grpc_version import VERSION  # a constant; loads no protoc
-    except ImportError:
-        return None
-    return VERSION
-
-
-def stubs_are_current(proto_root: Path = PROTO_ROOT, out_root: Path | None = None) -> bool:
-    """Both stubs exist, are no older than the .proto and were made by the installed
-    grpcio-tools (stubs from another version may not match the installed runtime)."""
-    proto_mtime = (proto_root / PROTO_REL).stat().st_mtime_ns
-    paths = _stub_paths(out_root or proto_root)
-    try:
-        if any(p.stat().st_mtime_ns < proto_mtime for p in paths):
-            return False
-        grpc_source = paths[1].read_text()
-    except FileNotFoundError:
-        return False
-    version = _tools_version()
-    return version is None or f"GRPC_GENERATED_VERSION = '{version}'" in grpc_source
-
-
-def _lock_path(out_root: Path) -> Path:
-    if out_root.resolve() != PROTO_ROOT:
-        out_root.mkdir(parents=True, exist_ok=True)
-        return out_root / ".pdserve-protoc.lock"
-    # The package's own folder: lock outside it, so no untracked file appears in the repository.
-    key = hashlib.sha1(str(PROTO_ROOT).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"pdserve-protoc-{os.getuid()}-{key}.lock"
-
-
-def _generate(proto_root: Path, out_root: Path) -> None:
-    folder = out_root / Path(PROTO_REL).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".protoc-", dir=folder) as tmp:
-        # A subprocess keeps grpc_tools' import hooks and protoc's output out of this process.
-        result = subprocess.run(
-            [sys.executable, "-m", "grpc_tools.protoc", f"-I{proto_root}", f"--python_out={tmp}",
-             f"--grpc_python_out={tmp}", PROTO_REL],
-            capture_output=True, text=True, timeout=120,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"protoc failed on {proto_root / PROTO_REL}:\n{result.stderr}")
-        generated = Path(tmp) / Path(PROTO_REL).parent
-        grpc_module = generated / "router_pb2_grpc.py"
-        grpc_module.write_text(_ABS_IMPORT.sub(r"from . import \1 as ", grpc_module.read_text()))
-        # _pb2 first: a reader that sees the new _grpc module also sees its _pb2.
-        for name in STUB_NAMES:
-            os.replace(generated / f"{name}.py", folder / f"{name}.py")
-
-
-class StubFolder(NamedTuple):
-    folder: Path
-    generated: bool  # False when current stubs were already there
-
-
-def ensure_stubs(proto_root: Path = PROTO_ROOT, out_root: Path | None = None, *,
-                 force: bool = False) -> StubFolder:
-    """Generate the stubs under out_root (default: next to the .proto) unless current."""
-    out_root = out_root or proto_root
-    folder = out_root / Path(PROTO_REL).parent
-    if not force and stubs_are_current(proto_root, out_root):
-        return StubFolder(folder, False)
-    with open(_lock_path(out_root), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            # Checked again under the lock: the process that held it may have just generated them.
-            generated = force or not stubs_are_current(proto_root, out_root)
-            if generated:
-                _generate(proto_root, out_root)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return StubFolder(folder, generated)
-
-
-def _external_out_root() -> Path | None:
-    """$PDSERVE_STUB_DIR if set; else None when the package folder is writable; else a per-user
-    cache folder keyed by the .proto's content."""
-    if os.environ.get(STUB_DIR_ENV):
-        return Path(os.environ[STUB_DIR_ENV])
-    if os.access(PROTO_FILE.parent, os.W_OK) or stubs_are_current():
-        return None
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    digest = hashlib.sha1(PROTO_FILE.read_bytes()).hexdigest()[:16]
-    return base / "pdserve" / f"proto-{digest}"
+        pb2, grpc_mod = (importlib.import_module(f"{STUB_PACKAGE}.{name}") for name in STUB_NAMES)
+    except BaseException:
+        _forget_stubs()  # a _pb2 that imported must not pair with stubs loaded later
+        raise
+    return pb2, grpc_mod
 
 
 def _load_from(folder: Path, name: str) -> ModuleType:
@@ -156,16 +73,27 @@ def _load_from(folder: Path, name: str) -> ModuleType:
     return module
 
 
+def _load_generated(out_root: Path) -> tuple[ModuleType, ModuleType]:
+    folder = ensure_stubs(out_root=out_root).folder
+    importlib.import_module(STUB_PACKAGE)  # the parent package, for the _grpc module's relative import
+    pb2, grpc_mod = (_load_from(folder, name) for name in STUB_NAMES)
+    return pb2, grpc_mod
+
+
 def _load_stubs() -> tuple[ModuleType, ModuleType]:
-    out_root = _external_out_root()
-    if out_root is None:
+    if os.environ.get(STUB_DIR_ENV):
+        return _load_generated(Path(os.environ[STUB_DIR_ENV]))
+    if is_source_checkout():
         ensure_stubs()
-        modules = [importlib.import_module(f"{STUB_PACKAGE}.{name}") for name in STUB_NAMES]
-        return modules[0], modules[1]
-    folder = ensure_stubs(PROTO_ROOT, out_root).folder
-    importlib.import_module(STUB_PACKAGE)  # the parent package, for the relative import
-    modules = [_load_from(folder, name) for name in STUB_NAMES]
-    return modules[0], modules[1]
+        return _import_packaged()
+    try:
+        return _import_packaged()
+    except Exception as exc:  # missing, or built for another grpcio/protobuf than the installed one
+        try:
+            return _load_generated(cache_root())
+        except Exception as again:
+            raise RuntimeError(f"pdserve's gRPC stubs did not import ({exc!r}) and could not be "
+                               f"generated into {cache_root()}") from again
 
 
 router_pb2, router_pb2_grpc = _load_stubs()
@@ -198,6 +126,7 @@ def spec_from_proto(request: router_pb2.GenerateRequest) -> GenerateSpec:  # typ
 
 __all__ = [
     "PROTO_FILE",
+    "PROTO_REL",
     "ROUTER_SERVICE_NAME",
     "STUB_DIR_ENV",
     "StubFolder",

@@ -1,0 +1,62 @@
+"""The command line as users type it (not a test module): `pdserve launch` in the foreground,
+then `generate`, `status` and `shutdown` from other processes. Used with the development
+install (test_cli.py) and with a wheel installed into a fresh virtualenv (test_packaging.py)."""
+from __future__ import annotations
+
+import json
+import select
+import socket
+import subprocess
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], workdir: Path) -> None:
+    """Runs the whole session with the ``pdserve`` command line ``pdserve`` (an argv prefix),
+    every process started in ``workdir``; asserts what a user would check by eye."""
+
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*pdserve, *args], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=workdir)
+
+    port = free_port()
+    log_path = workdir / "launch.log"
+    with open(log_path, "w") as log:
+        launch = subprocess.Popen(
+            [*pdserve, "launch", "--port", str(port), "--tokens-per-block", "8", "--num-kv-blocks", "128",
+             "--capacity-scheduler-policy", "MAX_UTILIZATION"],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=workdir)
+    try:
+        ready, _, _ = select.select([launch.stdout], [], [], 240)
+        assert ready, log_path.read_text()[-3000:]
+        line = launch.stdout.readline()
+        assert line, log_path.read_text()[-3000:]
+        info = json.loads(line)
+        assert info["grpc"] == f"127.0.0.1:{port}" and info["workers"] == ["ctx-0", "gen-0"]
+
+        out = run("generate", "--port", str(port), "--prompt", "hello there", "--max-tokens", "6",
+                  "--temperature", "0", "--ignore-eos")
+        assert out.returncode == 0, out.stderr
+        assert "finish=length tokens=6" in out.stdout and "ctx=ctx-0 gen=gen-0" in out.stdout
+
+        bad = run("generate", "--port", str(port), "--token-ids", "1,2,3", "--top-p", "1.5")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "sampling.top_p" in bad.stderr
+
+        status = run("status", "--port", str(port), "--json")
+        assert status.returncode == 0, status.stderr
+        workers = {w["workerId"]: w for w in json.loads(status.stdout)["workers"]}
+        assert set(workers) == {"ctx-0", "gen-0"}
+
+        down = run("shutdown", "--address", info["ray_address"])
+        assert down.returncode == 0, down.stderr
+        assert "pdserve-router" in down.stdout and "pdserve-gen-0" in down.stdout
+        assert launch.wait(timeout=120) == 0  # launch notices its router is gone and exits
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait(timeout=30)
