@@ -58,13 +58,15 @@ class Client:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        stop: Sequence[str] = (),
         priority: float | None = None,
         agent_hierarchy: Sequence[tuple[str, int]] = (),
         disaggregation: str = "AUTO",
         request_id: str | None = None,
         deadline_ms: int | None = None,
     ) -> pb.GenerateRequest:
-        sampling = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+        sampling = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                     stop=list(stop))
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         if temperature is not None:

@@ -391,6 +391,8 @@ class ValidationLimits:
     max_seq_len: int | None = None  # prompt + max_tokens
     max_tokens_limit: int = 1 << 16
     max_stop_token_ids: int = 32
+    max_stop_strings: int = 4  # OpenAI's limit
+    max_stop_string_chars: int = 256
     max_agent_depth: int = 8
     max_request_id_len: int = 128
     max_text_chars: int = 1 << 22  # before tokenization; the token limit is checked after it
@@ -412,6 +414,7 @@ class GenerateSpec:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one (OpenAI's rule)
     priority: float = DEFAULT_PRIORITY
     agent_hierarchy: tuple[tuple[str, int], ...] = ()
     disaggregation: int = DisaggregationMode.AUTO
@@ -511,6 +514,16 @@ def validate_sampling(
                                   f"[0, {upper})")
 
 
+def validate_stop_strings(stop: Sequence[str], limits: ValidationLimits = ValidationLimits()) -> None:
+    if len(stop) > limits.max_stop_strings:
+        raise ValidationError("sampling.stop", f"{len(stop)} stop strings; at most {limits.max_stop_strings}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ValidationError(f"sampling.stop[{i}]", "must be a non-empty string")
+        if len(s) > limits.max_stop_string_chars:
+            raise ValidationError(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
+
+
 def validate_priority(priority: float) -> None:
     if not _is_real(priority) or not 0.0 <= priority <= 1.0:  # NaN and inf fail the comparison
         raise ValidationError("priority", f"must be a finite number in [0, 1], got {priority!r}")
@@ -562,6 +575,7 @@ def validate_generate_spec(spec: GenerateSpec, limits: ValidationLimits = Valida
                       top_k=spec.top_k, seed=spec.seed, stop_token_ids=spec.stop_token_ids,
                       limits=limits,
                       prompt_len=len(spec.token_ids) if spec.token_ids is not None else None)
+    validate_stop_strings(spec.stop, limits)
     validate_priority(spec.priority)
     validate_agent_hierarchy(spec.agent_hierarchy, limits)
     validate_disaggregation(spec.disaggregation)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -49,6 +50,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster import policies as P
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb, router_pb2_grpc, spec_from_proto
+from pdserve.cluster.text_stream import TextStream
 from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, WorkerChannel
 from pdserve.scheduler import AgentTreePolicy, LlmRequest, insert_request_in_order
 
@@ -73,6 +75,10 @@ class RouterConfig:
     agent_percentage: float | None = None  # agent tree off unless agent types are given
     agent_types: tuple[str, ...] = ()
     agent_inflight_seq_num: int | None = None
+    # OpenAI-compatible HTTP on the same router (cluster/http_server.py); None: off.
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
+    served_model_name: str | None = None  # default: the model directory's name
 
 
 class WorkerFailure(RuntimeError):
@@ -88,10 +94,25 @@ class DeadlineExceeded(RuntimeError):
 
 
 class _Failure(NamedTuple):
-    """Put on a request's output queue: Generate ends the call with this status."""
+    """Put on a request's output queue: the front door ends the call with this status."""
 
     code: grpc.StatusCode
     message: str
+
+
+class RouterError(Exception):
+    """A request refused at admission or ended by an error: a gRPC status code and a message
+    (the HTTP front door maps the code to an HTTP status). ``field`` names the offending request
+    field for validation errors."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+
+class _StopStringReached(Exception):
+    """Raised out of _emit when the text hit a stop string: the request is complete and its
+    attempts were aborted; _run ends quietly."""
 
 
 # Where a request is, as the router sees it (request_phases()).
@@ -110,6 +131,7 @@ class _Request:
     queue_entry: LlmRequest  # the reorder policies' view of this request
     received: float
     deadline: float
+    text: TextStream
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     streamed: list[int] = field(default_factory=list)
     attempts: list[tuple[str, int]] = field(default_factory=list)  # (worker id, attempt id) live
@@ -136,8 +158,10 @@ class Router(router_pb2_grpc.RouterServicer):
         infos: dict[str, dict[str, Any]],  # worker id -> WorkerActorBase.info()
         tokenizer,
         metrics=None,
+        model_dir: str | None = None,  # the served model: the HTTP front door's model id and chat template
     ) -> None:
         self.config = config
+        self.model_dir = model_dir
         self.workers = workers
         self.infos = infos
         self.tokenizer = tokenizer
@@ -188,6 +212,9 @@ class Router(router_pb2_grpc.RouterServicer):
         self._connecting: dict[str, asyncio.Lock] = {}
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.http = None  # the OpenAI-compatible front door, when config.http_port is set
+        self.http_port: int | None = None
+        self.accepting = True  # False once stop() began: new requests get UNAVAILABLE
 
     # ------------------------------------------------------------------ server
 
@@ -207,9 +234,25 @@ class Router(router_pb2_grpc.RouterServicer):
         self._tasks = [asyncio.create_task(self._dispatch_loop()),
                        asyncio.create_task(self._refresh_loop())]
         log.info("router serving on %s:%d", self.config.host, self.port)
+        if self.config.http_port is not None:
+            await self._start_http()
         return self.port
 
+    async def _start_http(self) -> None:
+        from pathlib import Path
+
+        from pdserve.cluster.chat_template import ChatTemplate
+        from pdserve.cluster.http_server import OpenAIServer
+
+        model_id = self.config.served_model_name or (Path(self.model_dir).name if self.model_dir else "pdserve")
+        template = ChatTemplate.from_model_dir(self.model_dir) if self.model_dir else None
+        self.http = OpenAIServer(self, model_id, template)
+        self.http_port = await self.http.start(self.config.http_host, self.config.http_port)
+
     async def stop(self, grace_s: float = 2.0) -> None:
+        self.accepting = False
+        if self.http is not None:
+            await self.http.stop()
         for t in self._tasks:
             t.cancel()
         for channel in self.channels.values():
@@ -220,37 +263,62 @@ class Router(router_pb2_grpc.RouterServicer):
     # ------------------------------------------------------------------ Generate
 
     async def Generate(self, request, context):
-        now = time.monotonic()
         try:
-            spec = spec_from_proto(request)
+            req = self.admit(spec_from_proto(request), context.time_remaining())
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
+        async with contextlib.aclosing(self.results(req)) as stream:
+            try:
+                async for item in stream:
+                    yield item
+            except RouterError as exc:
+                await context.abort(exc.code, exc.message)
+
+    # The one admission path, shared by the gRPC and HTTP front doors: admit() validates and
+    # queues a request, results() streams its GenerateResponse messages and, however the caller
+    # leaves (finished, error, disconnect), cancels what is still running.
+
+    def admit(self, spec: P.GenerateSpec, time_remaining_s: float | None = None) -> _Request:
+        """Validate, tokenize and queue one request; raises RouterError (INVALID_ARGUMENT,
+        ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE) when it cannot be queued."""
+        now = time.monotonic()
+        if not self.accepting:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+        try:
             P.validate_generate_spec(spec, self.limits)
             prompt = self._prompt_ids(spec)
         except P.ValidationError as exc:
             self.totals["rejected"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
         external = spec.request_id or uuid.uuid4().hex
         if external in self.by_external:
             self.totals["rejected"] += 1
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id: {external!r} is already in flight")
+            raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {external!r} is already in flight",
+                              "request_id")
         if len(self.waiting) >= self.config.max_queue:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"router queue is full ({self.config.max_queue} waiting)")
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router queue is full ({self.config.max_queue} waiting)")
         budget = self.config.default_deadline_s
         if spec.deadline_ms is not None:
             budget = min(budget, spec.deadline_ms / 1000.0)
-        remaining = context.time_remaining()
-        if remaining is not None:
-            budget = min(budget, remaining)
+        if time_remaining_s is not None:
+            budget = min(budget, time_remaining_s)
         internal = next(self._ids)
         entry = LlmRequest(internal, prompt, spec.max_tokens, priority=spec.priority,
                            agent_hierarchy=list(spec.agent_hierarchy) or None)
-        req = _Request(internal, external, spec, prompt, _sampling(spec), entry, now, now + budget)
+        req = _Request(internal, external, spec, prompt, _sampling(spec), entry, now, now + budget,
+                       TextStream(self._decode_text, spec.stop))
         self.requests[internal] = req
         self.by_external[external] = internal
         self.totals["received"] += 1
         insert_request_in_order(self.waiting, entry)
         self._dispatch_ready()
+        return req
+
+    async def results(self, req: _Request):
+        """The request's GenerateResponse messages; the last has finish_reason. Raises
+        RouterError when it fails or its deadline passes. Close it (contextlib.aclosing) so that
+        a caller that leaves early cancels the request."""
         finished = False
         try:
             while True:
@@ -261,16 +329,16 @@ class Router(router_pb2_grpc.RouterServicer):
                 if isinstance(item, _Failure):
                     self._cancel(req, item.message)
                     self._count_failed()
-                    await context.abort(item.code, item.message)
+                    raise RouterError(item.code, item.message)
                 yield item
                 if item.finish_reason:
                     finished = True
                     return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._cancel(req, "deadline")
             self._count_failed()
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {external!r} did not finish within its deadline")
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"request {req.external_id!r} did not finish within its deadline") from None
         finally:
             if not finished and not req.cancelled:
                 self._cancel(req, "client went away")  # also the path for client cancellation
@@ -299,7 +367,7 @@ class Router(router_pb2_grpc.RouterServicer):
         req = self.requests[internal]
         self._cancel(req, "aborted by client")
         self.totals["aborted"] += 1
-        await req.out.put(self._final(req, [], "abort"))
+        await req.out.put(self._final(req, [], "abort", req.text.finish()))
         return pb.AbortResponse(aborted=True, detail="aborted")
 
     def request_phases(self) -> dict[str, dict[str, Any]]:
@@ -429,6 +497,8 @@ class Router(router_pb2_grpc.RouterServicer):
                             self.metrics.count_retries()
         except asyncio.CancelledError:
             raise
+        except _StopStringReached:
+            return
         except RequestRejected as exc:
             await self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except DeadlineExceeded:
@@ -485,18 +555,20 @@ class Router(router_pb2_grpc.RouterServicer):
         first = last["new_token_ids"]
         cpp = last["context_phase_params"]
         done_now = cpp is None or max_tokens <= len(forced) + len(first)
-        await self._emit(req, first, last["finish_reason"] if done_now else None, last.get("info"))
         if done_now:
+            await self._emit(req, first, last["finish_reason"], last.get("info"))
             return
-        req.phase = TRANSFER
-        gen_wire = self._wire(req, prompt, max_tokens, "GENERATION_ONLY", forced)
-        gen_wire["context_phase_params"] = cpp
         # The context attempt's KV stays leased until the generation side has it: an attempt
-        # that ends any other way (failure, cancel) gives the lease back at once.
+        # that ends any other way (failure, cancel, a stop string in the first token) gives
+        # the lease back at once.
         leased = (ctx_id, ctx_wire["request_id"])
         req.attempts.append(leased)
         done = False
         try:
+            await self._emit(req, first, None, last.get("info"))
+            req.phase = TRANSFER
+            gen_wire = self._wire(req, prompt, max_tokens, "GENERATION_ONLY", forced)
+            gen_wire["context_phase_params"] = cpp
             await self._decode(req, gen_id, gen_wire)
             done = True
         finally:
@@ -518,14 +590,16 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def _decode(self, req: _Request, gen_id: str, wire: dict[str, Any]) -> None:
         last = None
-        async for update in self._stream(req, gen_id, wire):
-            last = update
-            reason = update["finish_reason"]
-            if reason in ("error", "deadline", "abort"):
-                break
-            if update["new_token_ids"]:
-                req.phase = DECODE
-            await self._emit(req, update["new_token_ids"], reason, update.get("info"))
+        # Closed on every way out (a break, a stop string), so the attempt is forgotten now.
+        async with contextlib.aclosing(self._stream(req, gen_id, wire)) as updates:
+            async for update in updates:
+                last = update
+                reason = update["finish_reason"]
+                if reason in ("error", "deadline", "abort"):
+                    break
+                if update["new_token_ids"]:
+                    req.phase = DECODE
+                await self._emit(req, update["new_token_ids"], reason, update.get("info"))
         self._check_final(last, f"generation worker {gen_id}")
 
     @staticmethod
@@ -646,23 +720,33 @@ class Router(router_pb2_grpc.RouterServicer):
             req.kv_seconds += info.get("kv_transfer_seconds", 0.0)
             req.cached_tokens = max(req.cached_tokens, info.get("cached_tokens", 0))
         req.streamed.extend(tokens)
+        text = req.text.push(tokens)
+        worker_finished = finish_reason is not None
+        if req.text.stopped:
+            finish_reason = "stop"
         if finish_reason is None:
             if tokens:
-                await req.out.put(pb.GenerateResponse(request_id=req.external_id, token_ids=tokens,
-                                                      text=self._text_delta(req, len(tokens))))
+                await req.out.put(pb.GenerateResponse(request_id=req.external_id, token_ids=tokens, text=text))
             return
+        text += req.text.finish()
         self.totals["completed"] += 1
         if self.metrics is not None:
             self.metrics.count_request("completed")
             self.metrics.observe_e2e(now - req.received)
-        await req.out.put(self._final(req, tokens, finish_reason))
+        await req.out.put(self._final(req, tokens, finish_reason, text))
+        if not worker_finished:
+            # A stop string ended the request while a worker still generates: end its attempts
+            # (the context attempt's KV lease included). Removed from req.attempts first, so no
+            # caller up the stack aborts them a second time.
+            for attempt in list(req.attempts):
+                req.attempts.remove(attempt)
+                self._abort_attempt(*attempt)
+            raise _StopStringReached
 
-    def _text_delta(self, req: _Request, n_new: int) -> str:
-        full = self.tokenizer.decode(req.streamed, skip_special_tokens=True)
-        before = self.tokenizer.decode(req.streamed[:-n_new], skip_special_tokens=True) if n_new else full
-        return full[len(before):] if full.startswith(before) else full
+    def _decode_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _final(self, req: _Request, tokens: list[int], finish_reason: str):
+    def _final(self, req: _Request, tokens: list[int], finish_reason: str, text: str = ""):
         now = time.monotonic()
         timings = pb.Timings(
             queue_ms=1000 * ((req.dispatched or now) - req.received),
@@ -672,8 +756,7 @@ class Router(router_pb2_grpc.RouterServicer):
             gen_worker=req.gen_worker, retries=req.retries, local_prefill=req.local_prefill)
         usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
                          cached_prompt_tokens=req.cached_tokens)
-        return pb.GenerateResponse(request_id=req.external_id, token_ids=tokens,
-                                   text=self._text_delta(req, len(tokens)) if tokens else "",
+        return pb.GenerateResponse(request_id=req.external_id, token_ids=tokens, text=text,
                                    finish_reason=finish_reason, timings=timings, usage=usage)
 
     async def _fail(self, req: _Request, code: grpc.StatusCode, message: str) -> None:

@@ -117,6 +117,7 @@ def spec_from_proto(request: router_pb2.GenerateRequest) -> GenerateSpec:  # typ
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop_token_ids=tuple(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        stop=tuple(sampling.stop),
         priority=request.priority if request.HasField("priority") else DEFAULT_PRIORITY,
         agent_hierarchy=tuple((level.agent_type, level.node_id) for level in request.agent_hierarchy),
         disaggregation=int(request.disaggregation),

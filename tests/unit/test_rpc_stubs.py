@@ -127,7 +127,7 @@ def full_request() -> pb.GenerateRequest:
         request_id="req-7",
         token_ids=pb.TokenIds(ids=[1, 2, 3, 4_000_000_000]),
         sampling=pb.SamplingParams(max_tokens=12, temperature=0.0, top_p=0.9, top_k=40, seed=2**63 - 1,
-                                   stop_token_ids=[2, 3], ignore_eos=True),
+                                   stop_token_ids=[2, 3], ignore_eos=True, stop=["\n\n", "END"]),
         priority=0.0,
         agent_hierarchy=[pb.AgentLevel(agent_type="AgentDeepResearch", node_id=5),
                          pb.AgentLevel(agent_type="researcher", node_id=0)],
@@ -147,6 +147,7 @@ def test_generate_request_round_trips():
     assert spec.token_ids == (1, 2, 3, 4_000_000_000)
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k) == (12, 0.0, pytest.approx(0.9), 40)
     assert spec.seed == 2**63 - 1 and spec.stop_token_ids == (2, 3) and spec.ignore_eos
+    assert spec.stop == ("\n\n", "END")
     assert spec.priority == 0.0  # explicitly set zero is kept, not replaced by the default
     assert spec.agent_hierarchy == (("AgentDeepResearch", 5), ("researcher", 0))
     assert spec.disaggregation == DisaggregationMode.ALWAYS and spec.deadline_ms == 2500
@@ -195,6 +196,8 @@ def test_prompt_is_a_oneof():
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_k=-3)), "sampling.top_k"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(seed=2**63)), "sampling.seed"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=list("abcde"))), "sampling.stop"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["ok", ""])), "sampling.stop[1]"),
         (pb.GenerateRequest(text="x", request_id=""), "request_id"),
         (pb.GenerateRequest(text="x", priority=2.0), "priority"),
         (pb.GenerateRequest(text="x", deadline_ms=0), "deadline_ms"),
