@@ -43,6 +43,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-context-workers", type=int, default=None)
     parser.add_argument("--num-generation-workers", type=int, default=None)
     parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve the OpenAI-compatible HTTP API on this port (default: off)")
+    parser.add_argument("--http-host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id HTTP clients use (default: the model directory's name)")
     parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
     parser.add_argument("--context-policy", choices=["round_robin", "least_loaded", "kv_cache_aware"])
     parser.add_argument("--max-local-prefill-length", type=int)
@@ -78,7 +83,8 @@ def launch_config_from_args(args: argparse.Namespace):
         if value is not None:
             engine[f.name] = value
     router = dict(data.get("router") or {})
-    for key in ("context_policy", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage"):
+    for key in ("context_policy", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
+                "http_port", "http_host", "served_model_name"):
         value = getattr(args, key, None)
         if value is not None:
             router[key] = value
@@ -111,7 +117,8 @@ def _launch(argv: list[str]) -> int:
                                                      cfg.num_context_workers + cfg.num_generation_workers + 1))
     cluster = launch(cfg)
     dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
-    print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "workers": sorted(cluster.workers),
+    http = f"{cfg.router.http_host}:{cluster.http_port}" if cluster.http_port is not None else None
+    print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "http": http, "workers": sorted(cluster.workers),
                       "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir),
                       "ray_address": ray.get_runtime_context().gcs_address}), flush=True)
     stop = {"now": False}

@@ -82,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     owns = ensure_ray(num_cpus=max(4, os.cpu_count() or 1))
     cfg = LaunchConfig(engine=DEMO_ENGINE, context_engine=DEMO_CTX_ENGINE, generation_engine=DEMO_GEN_ENGINE,
-                       router=RouterConfig(port=0, agent_types=("AgentDeepResearch",), agent_percentage=0.5))
+                       router=RouterConfig(port=0, http_port=0, agent_types=("AgentDeepResearch",),
+                                           agent_percentage=0.5))
     cluster = launch(cfg)
     dashboard = ray._private.worker.global_worker.node.address_info.get("webui_url")
     console.print(f"[bold]pdserve up[/bold] in {time.monotonic() - t0:.1f} s: gRPC 127.0.0.1:{cluster.port}, "
+                  f"OpenAI HTTP http://127.0.0.1:{cluster.http_port}/v1, "
                   f"workers {', '.join(sorted(cluster.workers))}, model {cluster.model_dir.name}")
     try:
         rows = load_trace("azure_llm_2023_conv.csv", args.num_requests)
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"KV transfers are kv_transfer tasks)")
     try:
         if args.keep_alive:
-            console.print("--keep-alive: the cluster stays up; Ctrl-C ends it.")
+            console.print("--keep-alive: the cluster stays up; Ctrl-C ends it. Try:\n"
+                          f"  curl -s http://127.0.0.1:{cluster.http_port}/v1/completions "
+                          "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'")
             while True:
                 time.sleep(1)
     except KeyboardInterrupt:

@@ -61,7 +61,8 @@ def builtin_model_dir() -> Path:
     from pdserve.workers.tiny_model import make_tiny_model
 
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    path = root / "tiny-llama-h128-l4-v259"
+    # The name changes whenever what make_tiny_model writes changes (-chat: the chat template).
+    path = root / "tiny-llama-h128-l4-v259-chat"
     if not (path / "model.safetensors").exists():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         make_tiny_model(tmp, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -157,6 +158,7 @@ class Cluster:
     port: int
     model_dir: Path
     placement_group: Any
+    http_port: int | None = None  # the OpenAI-compatible front door, when launched with one
 
     def shutdown(self) -> None:
         import ray
@@ -217,9 +219,11 @@ def launch(cfg: LaunchConfig) -> Cluster:
     router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote()
     port = ray.get(router.start.remote(dataclasses.asdict(cfg.router), infos, str(model_dir), cfg.metrics),
                    timeout=READY_TIMEOUT_S)
-    log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d",
-             cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port)
-    return Cluster(router, workers, port, model_dir, pg)
+    http_port = ray.get(router.http_port.remote(), timeout=READY_TIMEOUT_S)
+    log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d%s",
+             cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port,
+             f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
+    return Cluster(router, workers, port, model_dir, pg, http_port)
 
 
 def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
@@ -288,7 +292,7 @@ def _router_actor_class():
             tokenizer = load_tokenizer(model_dir)
 
             def build():  # on the loop: the router's asyncio objects belong to it
-                self.router = Router(cfg, handles, infos, tokenizer, metrics=router_metrics)
+                self.router = Router(cfg, handles, infos, tokenizer, metrics=router_metrics, model_dir=model_dir)
                 return self.router.start()
 
             return self._on_loop(build)
@@ -308,6 +312,9 @@ def _router_actor_class():
 
         def port(self) -> int:
             return self.router.port
+
+        def http_port(self) -> int | None:
+            return self.router.http_port
 
     return RouterActor
 

@@ -6,6 +6,8 @@ through ``pdserve.workers.loader`` and through transformers' AutoModelForCausalL
 
 Tokenizer: ids 0-2 are <unk>, <s>, </s>; ids 3-258 are the 256 bytes (GPT-2 byte-to-unicode
 alphabet, no merges; byte b is id 3 + b), so any UTF-8 text round-trips. Encoding adds no BOS.
+tokenizer_config.json carries a small chat template (``<|role|>`` headers, each turn closed by
+</s>), so the model can serve /v1/chat/completions.
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 NUM_BYTE_TOKENS = 256
 MIN_VOCAB = len(SPECIAL_TOKENS) + NUM_BYTE_TOKENS  # 259
+
+# BOS, then "<|role|>\ncontent</s>\n" per message; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
@@ -161,6 +170,7 @@ def make_tiny_model(
         "eos_token": SPECIAL_TOKENS[EOS_ID],
         "unk_token": SPECIAL_TOKENS[UNK_ID],
         "model_max_length": max_position_embeddings,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     return out

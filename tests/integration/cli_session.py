@@ -7,6 +7,7 @@ import json
 import select
 import socket
 import subprocess
+import urllib.request
 from pathlib import Path
 
 
@@ -24,12 +25,12 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         return subprocess.run([*pdserve, *args], capture_output=True, text=True, timeout=timeout,
                               env=env, cwd=workdir)
 
-    port = free_port()
+    port, http_port = free_port(), free_port()
     log_path = workdir / "launch.log"
     with open(log_path, "w") as log:
         launch = subprocess.Popen(
-            [*pdserve, "launch", "--port", str(port), "--tokens-per-block", "8", "--num-kv-blocks", "128",
-             "--capacity-scheduler-policy", "MAX_UTILIZATION"],
+            [*pdserve, "launch", "--port", str(port), "--http-port", str(http_port), "--tokens-per-block", "8",
+             "--num-kv-blocks", "128", "--capacity-scheduler-policy", "MAX_UTILIZATION"],
             stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=workdir)
     try:
         ready, _, _ = select.select([launch.stdout], [], [], 240)
@@ -38,6 +39,16 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         assert line, log_path.read_text()[-3000:]
         info = json.loads(line)
         assert info["grpc"] == f"127.0.0.1:{port}" and info["workers"] == ["ctx-0", "gen-0"]
+        assert info["http"] == f"127.0.0.1:{http_port}"
+        # The OpenAI-compatible door, as the README's curl line uses it.
+        body = json.dumps({"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            completion = json.loads(resp.read())
+        assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["finish_reason"] == "length"
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=30) as resp:
+            assert resp.status == 200
 
         out = run("generate", "--port", str(port), "--prompt", "hello there", "--max-tokens", "6",
                   "--temperature", "0", "--ignore-eos")

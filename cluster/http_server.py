@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP front door (aiohttp), served on the router's own event loop.
+
+It is a second door into the same router as gRPC: requests become the same GenerateSpec and go
+through Router.admit / Router.results, so validation, the bounded queue, agent-tree order,
+priorities, deadlines, conditional disaggregation, retries and metrics are one code path.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent
+events with ``stream``), GET /health, GET /metrics. Errors are OpenAI error objects; the status
+comes from the router's gRPC code (see STATUS_FOR). A streamed request waits for its first
+result before sending headers, so an error before the first token still gets its status; an
+error after it arrives as an ``{"error": ...}`` event, then ``data: [DONE]``. A client that
+disconnects cancels its request (handler cancellation), as a gRPC cancel does.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pdserve.cluster.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.cluster.router import RouterError
+from pdserve.cluster.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    ApiError,
+    ParsedRequest,
+    chunk_json,
+    completion_json,
+    invalid,
+    models_json,
+    openai_param,
+    parse_request,
+    response_id,
+    usage_chunk_json,
+)
+
+log = logging.getLogger("pdserve.http")
+
+# gRPC status of a RouterError -> (HTTP status, OpenAI error type, code)
+STATUS_FOR: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "duplicate_request_id"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
+}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(obj, status=status, headers=headers, dumps=_dumps)
+
+
+def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return json_response(exc.body(), status=exc.status, headers=headers)
+
+
+class OpenAIServer:
+    def __init__(self, router, model_id: str, chat_template: ChatTemplate | None) -> None:
+        self.router = router
+        self.model_id = model_id
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.runner: web.AppRunner | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_RouterCollector(router))
+
+    async def start(self, host: str, port: int) -> int:
+        app = web.Application(client_max_size=self.router.config.max_message_bytes,
+                              middlewares=[_errors_as_openai_objects])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels
+        # the request in the router (Router.results' cleanup).
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        await site.start()
+        bound = self.runner.addresses[0][1]
+        log.info("OpenAI-compatible HTTP on %s:%d (model %s)", host, bound, self.model_id)
+        return bound
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # ---------------------------------------------------------------- simple endpoints
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response(models_json(self.model_id, self.created))
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_id:
+            return error_response(ApiError(404, f"The model `{request.match_info['model']}` does not exist",
+                                           param="model", code="model_not_found"))
+        return json_response(models_json(self.model_id, self.created)["data"][0])
+
+    async def health(self, request: web.Request) -> web.Response:
+        """The gRPC health's verdict: 503 while NOT_SERVING or shutting down."""
+        if self.router.serving and self.router.accepting:
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable"}, status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ---------------------------------------------------------------- generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            parsed = parse_request(body, kind, self.model_id)
+            spec = self._spec(parsed, request.headers.get("X-Request-Id"))
+            req = self._admit(spec, kind)
+        except ApiError as exc:
+            return error_response(exc)
+        headers = {"X-Request-Id": req.external_id}
+        rid, created = response_id(kind, req.external_id), int(time.time())
+        async with contextlib.aclosing(self.router.results(req)) as results:
+            try:
+                first = await anext(results)  # before any header: an early error keeps its status
+            except RouterError as exc:
+                return error_response(self._api_error(exc, kind), headers)
+            if parsed.stream:
+                return await self._stream(request, parsed, results, first, rid, created, headers)
+            texts, last = [first.text], first
+            try:
+                while not last.finish_reason:
+                    last = await anext(results)
+                    texts.append(last.text)
+            except RouterError as exc:
+                return error_response(self._api_error(exc, kind), headers)
+            return json_response(
+                completion_json(kind, rid, created, self.model_id, "".join(texts), last.finish_reason,
+                                last.usage, last.timings), headers=headers)
+
+    async def _stream(self, request, parsed: ParsedRequest, results, first, rid: str, created: int,
+                      headers: dict[str, str]) -> web.StreamResponse:
+        kind = parsed.kind
+        resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        await resp.prepare(request)
+        try:
+            if kind == CHAT:
+                await resp.write(sse(chunk_json(kind, rid, created, self.model_id, text="", role=True)))
+            item = first
+            while True:
+                if item.text:
+                    await resp.write(sse(chunk_json(kind, rid, created, self.model_id, text=item.text)))
+                if item.finish_reason:
+                    await resp.write(sse(chunk_json(kind, rid, created, self.model_id,
+                                                    finish_reason=item.finish_reason, timings=item.timings)))
+                    if parsed.include_usage:
+                        await resp.write(sse(usage_chunk_json(kind, rid, created, self.model_id, item.usage)))
+                    break
+                item = await anext(results)
+        except RouterError as exc:
+            await resp.write(sse(self._api_error(exc, kind).body()))
+        except ConnectionResetError:
+            return resp  # the client left; leaving the `aclosing` block cancels the request
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+
+    def _spec(self, parsed: ParsedRequest, request_id: str | None):
+        spec = dataclasses.replace(parsed.spec, request_id=request_id)
+        if parsed.kind != CHAT:
+            return spec
+        if self.chat_template is None:
+            raise invalid("messages", f"the model {self.model_id} has no chat template "
+                                      "(tokenizer_config.json chat_template); use /v1/completions")
+        try:
+            text = self.chat_template.render(list(parsed.messages), add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise invalid("messages", f"the chat template refused them: {exc}") from exc
+        ids = self.router.tokenizer.encode(text, add_special_tokens=False).ids
+        if not parsed.max_tokens_given:
+            limits = self.router.limits
+            room = (limits.max_seq_len or len(ids) + limits.max_tokens_limit) - len(ids)
+            spec = dataclasses.replace(spec, max_tokens=max(1, min(room, limits.max_tokens_limit)))
+        return dataclasses.replace(spec, token_ids=tuple(ids))
+
+    def _admit(self, spec, kind: str):
+        try:
+            return self.router.admit(spec)
+        except RouterError as exc:
+            raise self._api_error(exc, kind) from None
+
+    @staticmethod
+    def _api_error(exc, kind: str) -> ApiError:
+        status, type_, code = STATUS_FOR.get(exc.code, (500, "server_error", None))
+        if exc.field:
+            param = openai_param(exc.field, kind)
+            detail = exc.message.split(": ", 1)[1] if exc.message.startswith(exc.field + ": ") else exc.message
+            return ApiError(status, f"{param}: {detail}", param=param, type_=type_, code=code)
+        return ApiError(status, exc.message, type_=type_, code=code)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, f"the request body is larger than {exc.max_size} bytes") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+@web.middleware
+async def _errors_as_openai_objects(request: web.Request, handler):
+    """aiohttp's own errors (unknown path, wrong method) as OpenAI error objects too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                       type_="invalid_request_error"))
+
+
+class _RouterCollector:
+    """The router's own live counters in Prometheus' text format (the workers' metrics and the
+    router's latency histograms are on Ray's metrics endpoint as ray_pdserve_*)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def collect(self):
+        r = self.router
+        requests = CounterMetricFamily("pdserve_router_requests", "Requests by outcome since the router started.",
+                                       labels=["outcome"])
+        for outcome in ("received", "completed", "failed", "aborted", "rejected"):
+            requests.add_metric([outcome], r.totals[outcome])
+        yield requests
+        yield CounterMetricFamily("pdserve_router_retries", "Attempts retried after a worker failure.",
+                                  value=r.totals["retries"])
+        prefills = CounterMetricFamily("pdserve_router_prefills", "Prefills by where they ran.", labels=["kind"])
+        prefills.add_metric(["remote"], r.totals["remote_prefills"])
+        prefills.add_metric(["local"], r.totals["local_prefills"])
+        yield prefills
+        yield GaugeMetricFamily("pdserve_router_queue_depth", "Requests waiting for dispatch.", value=len(r.waiting))
+        yield GaugeMetricFamily("pdserve_router_in_flight", "Requests dispatched and not finished.", value=r.inflight)
+        yield GaugeMetricFamily("pdserve_router_serving", "1 while health is SERVING.", value=int(r.serving))
+        healthy = GaugeMetricFamily("pdserve_worker_healthy", "1 while the router routes to the worker.",
+                                    labels=["worker"])
+        for worker_id, load in sorted(r.loads.items()):
+            healthy.add_metric([worker_id], int(load.healthy))
+        yield healthy

@@ -1,0 +1,191 @@
+"""OpenAI request bodies -> GenerateSpec: every field is used, a no-op, ignored (user) or refused
+with a 400 naming it; the same validator and messages as gRPC decide the values."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cluster.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    ApiError,
+    chunk_json,
+    completion_json,
+    from_validation_error,
+    openai_param,
+    parse_request,
+)
+from pdserve.cluster.policies import DisaggregationMode, ValidationError, ValidationLimits, validate_generate_spec
+
+MODEL = "tiny"
+
+
+def parse(body, kind=COMPLETIONS):
+    return parse_request(body, kind, MODEL)
+
+
+def refused(body, kind=COMPLETIONS) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(body, kind)
+    return info.value
+
+
+def test_a_full_completion_request_maps_every_field():
+    p = parse({"model": MODEL, "prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
+               "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "user": "u1",
+               "top_k": 20, "ignore_eos": True, "stop_token_ids": [2], "min_tokens": 0, "priority": 0.9,
+               "agent_hierarchy": [{"agent_type": "AgentDeepResearch", "node_id": 4}],
+               "disaggregation": "never", "deadline_ms": 5000, "n": 1, "best_of": 1, "echo": False,
+               "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None})
+    s = p.spec
+    assert (s.text, s.token_ids, s.max_tokens, s.temperature, s.top_p, s.seed) == ("hi", None, 7, 0, 0.5, 3)
+    assert (s.stop, s.top_k, s.ignore_eos, s.stop_token_ids) == (("\n",), 20, True, (2,))
+    assert (s.priority, s.agent_hierarchy, s.deadline_ms) == (0.9, (("AgentDeepResearch", 4),), 5000)
+    assert s.disaggregation == DisaggregationMode.NEVER
+    assert p.stream and p.include_usage and p.kind == COMPLETIONS
+    validate_generate_spec(s)
+
+
+def test_defaults_are_openais():
+    p = parse({"prompt": [5, 6]})  # model may be left out: the served one
+    s = p.spec
+    assert (s.token_ids, s.max_tokens, s.temperature, s.top_p, s.top_k) == ((5, 6), 16, 1.0, 1.0, 0)
+    assert not p.stream and not p.include_usage and s.stop == () and s.request_id is None
+
+
+@pytest.mark.parametrize("prompt, text, ids", [
+    ("x", "x", None), (["x"], "x", None), ([1, 2], None, (1, 2)), ([[1, 2]], None, (1, 2)),
+])
+def test_prompt_forms(prompt, text, ids):
+    s = parse({"prompt": prompt}).spec
+    assert (s.text, s.token_ids) == (text, ids)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "n": True}, "n"),  # true is not 1
+    ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "tools": []}, "tools"),  # a chat field on the completions endpoint
+    ({"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),  # unknown
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": "x", "stream": True, "stream_options": {"other": 1}}, "stream_options.other"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": ["a", 5]}, "stop[1]"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "disaggregation": "sometimes"}, "disaggregation"),
+    ({"prompt": "x", "agent_hierarchy": [{"agent_type": "AgentDeepResearch", "depth": 1}]},
+     "agent_hierarchy[0].depth"),
+    ({"prompt": ["a", "b"]}, "prompt"),  # a batch
+    ({"prompt": None}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": 3}, "prompt"),
+])
+def test_unsupported_or_malformed_fields_are_refused_by_name(body, param):
+    err = refused(body)
+    assert err.status == 400 and err.param == param and err.message.startswith(param + ":")
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error", "param": param,
+                                    "code": None}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": False}, "echo"),  # completions only
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "max_completion_tokens": 5},
+     "max_completion_tokens"),
+])
+def test_chat_refusals_name_the_field(body, param):
+    err = refused(body, CHAT)
+    assert err.status == 400 and err.param == param
+
+
+def test_chat_messages_and_token_limits():
+    p = parse({"messages": [{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                         {"type": "text", "text": "b"}]}],
+               "response_format": {"type": "text"}, "tool_choice": "none"}, CHAT)
+    assert [m["content"] for m in p.messages] == ["be brief", "a\nb"]
+    assert not p.max_tokens_given and p.spec.text is None and p.spec.token_ids is None
+    q = parse({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9}, CHAT)
+    assert q.max_tokens_given and q.spec.max_tokens == 9
+
+
+def test_an_unknown_model_is_404():
+    err = refused({"model": "gpt-4o", "prompt": "x"})
+    assert err.status == 404 and err.param == "model" and err.body()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": [1, 999]}, "prompt"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop[0]"),
+    ({"prompt": "x", "priority": 2}, "priority"),
+    ({"prompt": "x", "deadline_ms": 0}, "deadline_ms"),
+    ({"prompt": "x", "disaggregation": 7}, "disaggregation"),
+    ({"prompt": "x", "agent_hierarchy": [{"agent_type": "Nope"}]}, "agent_hierarchy[0].agent_type"),
+])
+def test_values_go_through_the_grpc_validator_with_its_messages(body, param):
+    spec = parse(body).spec
+    with pytest.raises(ValidationError) as info:
+        validate_generate_spec(spec, ValidationLimits(vocab_size=300))
+    err = from_validation_error(info.value, COMPLETIONS)
+    assert err.status == 400 and err.param == param
+    assert err.message == f"{param}: {info.value.message}"
+
+
+def test_field_paths_map_to_body_fields():
+    assert openai_param("sampling.top_p", COMPLETIONS) == "top_p"
+    assert openai_param("prompt.token_ids[3]", COMPLETIONS) == "prompt"
+    assert openai_param("prompt.token_ids", CHAT) == "messages"
+    assert openai_param("request_id", CHAT) == "X-Request-Id"
+    assert openai_param("agent_hierarchy[1].node_id", CHAT) == "agent_hierarchy[1].node_id"
+
+
+class _Usage:
+    prompt_tokens, completion_tokens, cached_prompt_tokens = 5, 3, 4
+
+
+class _Timings:
+    queue_ms, ttft_ms, e2e_ms, kv_transfer_bytes, kv_transfer_ms = 1.0, 2.0, 3.0, 4096, 0.5
+    pauses, ctx_worker, gen_worker, retries, local_prefill = 1, "ctx-0", "gen-0", 0, False
+
+
+def test_response_shapes():
+    body = completion_json(CHAT, "chatcmpl-r", 7, MODEL, "hey", "stop", _Usage, _Timings)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
+                                                                                    "content": "hey"}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert body["pdserve_timings"]["kv_transfer_bytes"] == 4096 and body["pdserve_timings"]["pauses"] == 1
+    first = chunk_json(CHAT, "chatcmpl-r", 7, MODEL, text="", role=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = chunk_json(CHAT, "chatcmpl-r", 7, MODEL, finish_reason="length")
+    assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    text = chunk_json(COMPLETIONS, "cmpl-r", 7, MODEL, text="a")
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "a"
