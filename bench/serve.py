@@ -1,7 +1,9 @@
 """``pdserve bench serve`` and ``pdserve bench compare``: replay a production trace against a
-pdserve cluster over gRPC and report what clients see.
+pdserve cluster over gRPC (or any OpenAI-compatible server over HTTP) and report what clients see.
 
-serve: against a running cluster (``--port``), or one it launches itself (``--launch 1P1D``).
+serve: against a running cluster (``--port``), or one it launches itself (``--launch 1P1D``), or,
+with ``--backend openai --url URL``, any OpenAI-compatible server (pdserve's HTTP front door,
+vLLM, SGLang, trtllm-serve), streamed, with the same figures and goodput.
 Each trace row becomes a request sent at its (time-scaled) arrival time, or at Poisson times for
 ``--rate``; prompts are synthesised at lengths scaled to the cluster's limits (Mooncake hash ids
 -> shared prefix blocks), outputs are forced to the trace's scaled length (greedy, EOS ignored).
@@ -125,6 +127,115 @@ async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout
         wall = time.monotonic() - t0
         final = MessageToDict(await stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30))
     return ServeRun(label, records, samples, wall, final)
+
+
+# Chat prompts are text: each synthetic token id becomes one common word (most tokenizers give a
+# common word with its leading space one token), so equal id prefixes stay equal text prefixes.
+CHAT_WORDS = tuple("the of and to in is it that for on with as was at by be this from or have an are "
+                   "not but had his they you were her she which their all there been one has more when "
+                   "will would who so no if out up what about into than them can only other new some "
+                   "time could these two may first then do any like my now over such our man me".split())
+
+
+def words_for(token_ids: Sequence[int]) -> str:
+    return " ".join(CHAT_WORDS[t % len(CHAT_WORDS)] for t in token_ids)
+
+
+async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, model: str | None, label: str,
+                         timeout_s: float, progress: bool, warmup: int) -> ServeRun:
+    """The same replay against any OpenAI-compatible server: streamed /v1/completions (token-id
+    prompts, exact lengths) or /v1/chat/completions (word prompts), ``ignore_eos`` and
+    ``max_tokens`` forcing the output length, usage from ``stream_options.include_usage``. pdserve's
+    own per-request figures are read from ``pdserve_timings`` when the server sends them."""
+    import aiohttp
+
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    records = [RequestRecord(w.index, w.arrival_s, len(w.prompt), w.max_tokens) for w in work]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        if model is None:
+            async with session.get(f"{base}/models") as resp:
+                model = (await resp.json())["data"][0]["id"]
+
+        def body(item_prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+            out: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                                   "stream_options": {"include_usage": True}, "ignore_eos": True}
+            if endpoint == "chat":
+                out["messages"] = [{"role": "user", "content": words_for(item_prompt)}]
+            else:
+                out["prompt"] = list(item_prompt)
+            return out
+
+        path = f"{base}/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+
+        async def stream(item_prompt, max_tokens, rec: RequestRecord | None, t0: float) -> None:
+            async with session.post(path, json=body(item_prompt, max_tokens)) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                async for line in resp.content:
+                    if not line.startswith(b"data: {") or rec is None:
+                        continue
+                    now = time.monotonic() - t0
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        rec.error = f"stream error: {chunk['error'].get('message')}"
+                        continue
+                    for choice in chunk.get("choices") or ():
+                        text = choice.get("text") if endpoint != "chat" else (choice.get("delta") or {}).get("content")
+                        if text:
+                            rec.deltas.append((now, 1))
+                            if rec.first_token_s is None:
+                                rec.first_token_s = now
+                        if choice.get("finish_reason"):
+                            rec.finish_s = now
+                            if choice["finish_reason"] not in ("length", "stop"):
+                                rec.error = f"finish_reason={choice['finish_reason']}"
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                        rec.num_tokens = usage["completion_tokens"]
+                        rec.prompt_len = usage["prompt_tokens"]
+                        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    timings = chunk.get("pdserve_timings")
+                    if timings:
+                        rec.queue_ms, rec.server_ttft_ms = timings["queue_ms"], timings["ttft_ms"]
+                        rec.server_e2e_ms, rec.kv_bytes = timings["e2e_ms"], timings["kv_transfer_bytes"]
+                        rec.kv_ms, rec.pauses = timings["kv_transfer_ms"], timings["pauses"]
+                        rec.local_prefill, rec.worker = timings["local_prefill"], timings["gen_worker"]
+            if rec is not None and rec.deltas and rec.num_tokens > len(rec.deltas):
+                # A chunk can carry several tokens (text held back for a multi-byte character):
+                # the last delta takes the tokens the chunks did not account for.
+                t, n = rec.deltas[-1]
+                rec.deltas[-1] = (t, n + rec.num_tokens - len(rec.deltas))
+
+        for i in range(warmup):
+            await stream(list(work[i % len(work)].prompt[:32]), 4, None, time.monotonic())
+        bar = _progress(progress, label, len(work))
+        t0 = time.monotonic()
+
+        async def one(item: WorkItem, rec: RequestRecord) -> None:
+            await asyncio.sleep(max(0.0, t0 + item.arrival_s - time.monotonic()))
+            rec.arrival_s = time.monotonic() - t0
+            try:
+                await stream(item.prompt, item.max_tokens, rec, t0)
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError) as exc:
+                rec.error = f"{type(exc).__name__}: {exc}"
+            if bar is not None:
+                bar[0].advance(bar[1])
+
+        try:
+            await asyncio.gather(*(one(w, r) for w, r in zip(work, records)))
+        finally:
+            if bar is not None:
+                bar[0].stop()
+        wall = time.monotonic() - t0
+    return ServeRun(label, records, [], wall, {})
+
+
+def replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str = "completions", model: str | None = None,
+                  label: str = "openai", timeout_s: float = 600.0, progress: bool = True,
+                  warmup: int = 2) -> ServeRun:
+    return asyncio.run(_replay_openai(url, work, endpoint=endpoint, model=model, label=label,
+                                      timeout_s=timeout_s, progress=progress, warmup=warmup))
 
 
 def _progress(enabled: bool, label: str, total: int):
@@ -358,9 +469,17 @@ def _replot(path: Path, out_dir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench",
-                                     description="Replay a production trace against pdserve over gRPC.")
+                                     description="Replay a production trace against pdserve (gRPC) or any "
+                                                 "OpenAI-compatible server (HTTP).")
     sub = parser.add_subparsers(dest="action", required=True)
     serve = sub.add_parser("serve", help="replay a trace against one cluster")
+    serve.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                       help="grpc: pdserve's router; openai: any OpenAI-compatible server at --url")
+    serve.add_argument("--url", default=None, help="--backend openai: the server, e.g. http://127.0.0.1:8000")
+    serve.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                       help="--backend openai: /v1/completions (token-id prompts) or /v1/chat/completions")
+    serve.add_argument("--served-model", default=None, help="--backend openai: model id (default: the first "
+                       "one /v1/models lists)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=None, help="a running cluster's gRPC port")
     serve.add_argument("--launch", choices=sorted(LAYOUTS), default=None,
@@ -391,9 +510,15 @@ def main(argv: list[str] | None = None) -> int:
     progress = not args.no_progress
 
     if args.action == "serve":
-        if args.port is None and args.launch is None:
+        if args.backend == "openai":
+            if args.url is None:
+                parser.error("bench serve --backend openai needs --url")
+            work = build_workload(spec)[0]  # lengths capped by --max-input-len/--max-output-len
+            runs = {"openai": replay_openai(args.url, work, endpoint=args.endpoint, model=args.served_model,
+                                            progress=progress, warmup=args.warmup)}
+        elif args.port is None and args.launch is None:
             parser.error("bench serve needs --port (a running cluster) or --launch LAYOUT")
-        if args.port is not None:
+        elif args.port is not None:
             address = f"{args.host}:{args.port}"
             work = _fit_work(spec, address)
             runs = {"cluster": replay(address, work, label="cluster", progress=progress, warmup=args.warmup,
