@@ -6,27 +6,16 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import ray  # noqa: E402
 
 from pdserve.bench.plots import FIGURES  # noqa: E402
 from pdserve.bench.serve import main  # noqa: E402
-from pdserve.cluster.launch import ensure_ray  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SLICE = ["--num-requests", "12", "--time-scale", "0.2", "--max-input-len", "160",
          "--max-output-len", "12", "--no-progress", "--warmup", "1"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    owns = ensure_ray(num_cpus=8)
-    yield
-    if owns:
-        ray.shutdown()
 
 
 def _figures_ok(out_dir) -> None:

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa:
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.cluster.client import Client  # noqa: E402
-from pdserve.cluster.launch import LaunchConfig, builtin_model_dir, ensure_ray, launch  # noqa: E402
+from pdserve.cluster.launch import LaunchConfig, launch  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
 from pdserve.cluster.rpc import router_pb2_grpc  # noqa: E402
@@ -36,19 +36,6 @@ from cluster_util import drain  # noqa: E402
 ENGINE = dict(tokens_per_block=4, max_batch_size=8, max_num_tokens=64,
               context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=8, num_kv_blocks=256)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    owns = ensure_ray(num_cpus=8)
-    yield
-    if owns:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_dir()
 
 
 @pytest.fixture

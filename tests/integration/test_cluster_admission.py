@@ -23,7 +23,6 @@ import ray  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 import cluster_util as U  # noqa: E402
-from pdserve.cluster.launch import builtin_model_dir, ensure_ray  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
 
@@ -33,39 +32,6 @@ MAX_INPUT_LEN, MAX_SEQ_LEN, VOCAB = 64, 128, 259
 ENGINE = dict(U.ENGINE, max_input_len=MAX_INPUT_LEN, max_seq_len=MAX_SEQ_LEN)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    owns = ensure_ray(num_cpus=8)
-    yield
-    if owns:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_dir()
-
-
-@pytest.fixture(scope="module")
-def clusters(ray_cluster, model_dir):
-    """``get(**launch kwargs)``: the running cluster if it was launched with the same settings,
-    else a new one (one pdserve cluster per Ray at a time: actor names are fixed)."""
-    held: dict = {}
-
-    def get(**kwargs):
-        key = repr(sorted(kwargs.items()))
-        if held.get("key") != key:
-            if held.get("cluster") is not None:
-                held.pop("cluster").shutdown()
-            held["cluster"] = U.start_cluster(model_dir, **kwargs)
-            held["key"] = key
-        return held["cluster"]
-
-    yield get
-    if held.get("cluster") is not None:
-        held["cluster"].shutdown()
 
 
 @pytest.fixture

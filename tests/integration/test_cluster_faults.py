@@ -25,25 +25,11 @@ import grpc  # noqa: E402
 import ray  # noqa: E402
 
 import cluster_util as U  # noqa: E402
-from pdserve.cluster.launch import builtin_model_dir, ensure_ray  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 MAX_INPUT_LEN = 44
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    owns = ensure_ray(num_cpus=8)
-    yield
-    if owns:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_dir()
 
 
 @pytest.fixture
@@ -106,9 +92,12 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
     engine = dict(U.ENGINE, max_input_len=MAX_INPUT_LEN, num_kv_blocks=4096)
     batch = U.prompts(n, seed=21, lo=20, hi=40)
     expected = U.reference(model_dir, batch, max_tokens, engine)
+    # Transfers get 60 s: right after the kill the 50 retried requests queue their transfers
+    # behind each other on the surviving pair, and with three test suites sharing the 2-core VM
+    # some waited past a 20 s timeout (seen once: 15 TIMED_OUT, then a second retry).
     cl = cluster(num_context_workers=1, num_generation_workers=2, engine=engine,
                  router=RouterConfig(max_inflight=128, worker_call_timeout_s=30.0),
-                 transfer_timeout_s=20.0)
+                 transfer_timeout_s=60.0)
     ray.get(cl.workers["ctx-0"].test_hook.remote("stall_send", 60.0), timeout=U.RAY_TIMEOUT_S)
     figures = {}
     got_at_kill: dict[str, int] = {}
@@ -159,7 +148,9 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
               if len(batch[int(r.request_id[1:])]) + got_at_kill.get(r.request_id, 0) > MAX_INPUT_LEN]
     figures.update(completed=len(results), retried=len(retried), retried_with_forced_tokens=len(forced))
     assert figures["on_gen0_at_kill"] > 0 and retried and forced
-    assert all(r.last.timings.gen_worker == "gen-1" for r in retried)
+    elsewhere = [(r.request_id, r.last.timings.gen_worker, r.last.timings.retries, r.last.timings.local_prefill)
+                 for r in retried if r.last.timings.gen_worker != "gen-1"]
+    assert not elsewhere, (elsewhere, ray.get(cl.router.debug_state.remote(), timeout=U.RAY_TIMEOUT_S))
 
     # The pair with the surviving generation worker was never disturbed.
     st = U.status(cl.port)

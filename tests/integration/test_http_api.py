@@ -25,7 +25,6 @@ import ray  # noqa: E402
 
 import cluster_util as U  # noqa: E402
 from pdserve.cluster.chat_template import ChatTemplate  # noqa: E402
-from pdserve.cluster.launch import builtin_model_dir, ensure_ray  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.workers.loader import load_tokenizer  # noqa: E402
 
@@ -33,39 +32,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 ENGINE = dict(U.ENGINE, max_input_len=96, max_seq_len=160)
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    owns = ensure_ray(num_cpus=8)
-    yield
-    if owns:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return builtin_model_dir()
-
-
-@pytest.fixture(scope="module")
-def clusters(ray_cluster, model_dir):
-    """``get(**launch kwargs)``: one cluster at a time (actor names are fixed), relaunched when
-    the settings change."""
-    held: dict = {}
-
-    def get(**kwargs):
-        key = repr(sorted(kwargs.items()))
-        if held.get("key") != key:
-            if held.get("cluster") is not None:
-                held.pop("cluster").shutdown()
-            held["cluster"] = U.start_cluster(model_dir, **kwargs)
-            held["key"] = key
-        return held["cluster"]
-
-    yield get
-    if held.get("cluster") is not None:
-        held["cluster"].shutdown()
 
 
 @pytest.fixture
