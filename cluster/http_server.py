@@ -52,6 +52,7 @@ STATUS_FOR: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
+STOP_GRACE_S = 2.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 
@@ -92,8 +93,10 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
-        # the request in the router (Router.results' cleanup).
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # the request in the router (Router.results' cleanup). On stop, handlers still running
+        # get the same grace as gRPC's (aiohttp's default would wait a minute).
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=STOP_GRACE_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, reuse_address=True)
         await site.start()
