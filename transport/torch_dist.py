@@ -31,7 +31,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from .protocol import (
 
 SendHook = Callable[[TransferDescriptor, int], None]  # (descriptor, chunk index), sender thread
 RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy-free runs)
+STORE_CONNECT_POLL_S = 0.2  # how often a store connect in progress checks its endpoint (_connect_store)
 MAX_OUTSTANDING = 16  # posted chunk sends/recvs per op (staged ones are also bounded by staging)
 MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
 INCARNATION_KEY = "pdserve/incarnation"  # set in a context worker's store: whose store it is
@@ -674,7 +675,7 @@ class _ReceiverPair:
         if self.store is None:
             host, port = endpoint.split("#", 1)[0].rsplit(":", 1)
             self._probe(endpoint, host, int(port), left)
-            store = dist.TCPStore(host, int(port), None, False, _td(left))
+            store = self._connect_store(endpoint, host, int(port), left)
             if _incarnation(endpoint) and not (store.check([INCARNATION_KEY]) and int(
                     store.get(INCARNATION_KEY)) == _incarnation(endpoint)):
                 # another process listens on the port now: the one we want is gone
@@ -683,6 +684,41 @@ class _ReceiverPair:
             self.store, self.store_endpoint = store, endpoint
         self.group = _Group(self.store, name, GEN_RANK, self.owner.pool.device, left)
         return self.group
+
+    def _connect_store(self, endpoint: str, host: str, port: int, timeout_s: float) -> dist.TCPStore:
+        """The context worker's store, connected on a helper thread that this one watches.
+
+        c10d's client bounds its connect but not its validation read: a port that another kind
+        of server took over after the context process died accepts the connection and never
+        answers, and the constructor blocks until that server closes it (forever for a mute
+        one; measured: > 120 s with a 1 s timeout). So this thread waits for the helper in
+        slices and gives up at the deadline, or as soon as ``endpoint`` is gone or replaced
+        (the restarted worker's first request arrived): a stale op must not hold the pair
+        thread while the new incarnation waits for it to join a group. An abandoned helper ends
+        when the far side closes its socket; what it connected, if anything, is dropped."""
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def connect() -> None:
+            try:
+                outcome["store"] = dist.TCPStore(host, port, None, False, _td(timeout_s))
+            except BaseException as exc:  # noqa: BLE001 - handed to the pair thread
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=connect, name=f"pdserve-kv-store-{self.ctx_worker_id}", daemon=True).start()
+        end = time.monotonic() + timeout_s
+        while not done.wait(STORE_CONNECT_POLL_S):
+            with self.cond:
+                replaced = self.endpoint != endpoint
+            if replaced or self.owner.is_gone(endpoint):
+                raise RuntimeError(f"context endpoint {endpoint} was replaced while connecting to its store")
+            if time.monotonic() >= end:
+                raise TimeoutError(f"the store at {endpoint} did not answer within {timeout_s:.1f} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["store"]
 
     def _probe(self, endpoint: str, host: str, port: int, timeout_s: float) -> None:
         """A refused connection means no store listens there any more (its process is gone):

@@ -191,3 +191,48 @@ def test_a_stale_endpoint_never_moves_the_pair_back_and_a_reused_port_is_detecte
     finally:
         receiver.close()
         sender.close()
+
+
+def test_a_stale_op_on_a_mute_port_does_not_hold_the_pair_from_the_restarted_worker(loaded):
+    """Seen in a fault test: a context worker died and its store's port was taken by another
+    kind of server, which accepts connections and never answers. A receive queued for the old
+    incarnation sat in the store connect for the whole connect timeout, while the restarted
+    worker waited (a shorter time) for this side to join the new group, and gave up: every
+    request it served failed. The stale op now gives up as soon as the endpoint is replaced."""
+    import socket
+    import threading
+    import time
+
+    from pdserve.transport.protocol import encode_message
+    from pdserve.transport.torch_dist import KVSender
+
+    mcfg = loaded.config
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)  # the kernel completes connects; nothing ever answers
+    # The receiver would wait 20 s for a store; the restarted sender waits 4 s for its peer.
+    receiver = KVReceiver("gen-m", KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu"),
+                          config=TransportConfig(connect_timeout_s=20.0))
+    sender = KVSender("ctx-m", KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu"),
+                      config=TransportConfig(connect_timeout_s=4.0))
+    try:
+        stale = f"127.0.0.1:{mute.getsockname()[1]}#5"
+        assert receiver.start(1, ctx_worker_id="ctx-m", ctx_endpoint=stale, ctx_request_id=1,
+                              block_ids=[0], timeout_s=60.0) is not None
+        time.sleep(1.0)  # the pair thread is in the store connect now
+        sender.hold(7, [3, 4])
+        msg = receiver.start(2, ctx_worker_id="ctx-m", ctx_endpoint=sender.locator, ctx_request_id=7,
+                             block_ids=[5, 6], timeout_s=30.0)
+        assert msg is not None and receiver.pair_endpoint("ctx-m") == sender.locator
+        replies = []
+        send = threading.Thread(target=lambda: replies.append(sender.handle(encode_message(msg))))
+        send.start()
+        results = {r.request_id: r for r in _poll_until(receiver, {1, 2}, timeout_s=15.0)}
+        send.join(15.0)
+        assert results[1].state == RecvState.FAILED
+        assert results[2].state == RecvState.COMPLETE, results[2]
+        receiver.handle(replies[0])
+    finally:
+        mute.close()
+        receiver.close()
+        sender.close()
