@@ -34,9 +34,9 @@ from pdserve.cluster.openai_api import (
     ParsedRequest,
     chunk_json,
     completion_json,
+    field_error,
     invalid,
     models_json,
-    openai_param,
     parse_request,
     response_id,
     usage_chunk_json,
@@ -220,9 +220,7 @@ class OpenAIServer:
     def _api_error(exc, kind: str) -> ApiError:
         status, type_, code = STATUS_FOR.get(exc.code, (500, "server_error", None))
         if exc.field:
-            param = openai_param(exc.field, kind)
-            detail = exc.message.split(": ", 1)[1] if exc.message.startswith(exc.field + ": ") else exc.message
-            return ApiError(status, f"{param}: {detail}", param=param, type_=type_, code=code)
+            return field_error(exc.field, exc.detail, kind, status=status, type_=type_, code=code)
         return ApiError(status, exc.message, type_=type_, code=code)
 
 

@@ -23,7 +23,6 @@ from .policies import (
     DEFAULT_TOP_P,
     DisaggregationMode,
     GenerateSpec,
-    ValidationError,
 )
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -100,9 +99,12 @@ def openai_param(field: str, kind: str) -> str:
     return field
 
 
-def from_validation_error(exc: ValidationError, kind: str) -> ApiError:
-    """The same rule and message as gRPC's INVALID_ARGUMENT, naming the body field."""
-    return invalid(openai_param(exc.field, kind), exc.message)
+def field_error(field: str, detail: str, kind: str, *, status: int = 400,
+                type_: str = "invalid_request_error", code: str | None = None) -> ApiError:
+    """An error in one request field (a GenerateSpec path such as "sampling.top_p"): gRPC's
+    rule and message, naming the body field instead ("top_p: must be in (0, 1], got 1.5")."""
+    param = openai_param(field, kind)
+    return ApiError(status, f"{param}: {detail}", param=param, type_=type_, code=code)
 
 
 def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:

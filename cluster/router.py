@@ -102,12 +102,15 @@ class _Failure(NamedTuple):
 
 class RouterError(Exception):
     """A request refused at admission or ended by an error: a gRPC status code and a message
-    (the HTTP front door maps the code to an HTTP status). ``field`` names the offending request
-    field for validation errors."""
+    (the HTTP front door maps the code to an HTTP status). For an error in one request field,
+    ``field`` names it and ``detail`` is what is wrong with it; ``message`` is then
+    "<field>: <detail>", gRPC's form."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
+        self.detail = detail if detail is not None else message
 
 
 class _StopStringReached(Exception):
@@ -289,12 +292,12 @@ class Router(router_pb2_grpc.RouterServicer):
             prompt = self._prompt_ids(spec)
         except P.ValidationError as exc:
             self.totals["rejected"] += 1
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field) from None
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.message) from None
         external = spec.request_id or uuid.uuid4().hex
         if external in self.by_external:
             self.totals["rejected"] += 1
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {external!r} is already in flight",
-                              "request_id")
+                              "request_id", f"{external!r} is already in flight")
         if len(self.waiting) >= self.config.max_queue:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"router queue is full ({self.config.max_queue} waiting)")

@@ -10,7 +10,7 @@ from pdserve.cluster.openai_api import (
     ApiError,
     chunk_json,
     completion_json,
-    from_validation_error,
+    field_error,
     openai_param,
     parse_request,
 )
@@ -153,7 +153,7 @@ def test_values_go_through_the_grpc_validator_with_its_messages(body, param):
     spec = parse(body).spec
     with pytest.raises(ValidationError) as info:
         validate_generate_spec(spec, ValidationLimits(vocab_size=300))
-    err = from_validation_error(info.value, COMPLETIONS)
+    err = field_error(info.value.field, info.value.message, COMPLETIONS)
     assert err.status == 400 and err.param == param
     assert err.message == f"{param}: {info.value.message}"
 
