@@ -3,18 +3,38 @@
 Each metric is a ``ray.util.metrics`` object named ``pdserve_*``; Ray's Prometheus endpoint
 exports it as ``ray_pdserve_*`` (counters with a ``_total`` suffix, histograms as
 ``_bucket``/``_sum``/``_count``). Every series carries the tags ``role`` and ``worker``; some add
-``outcome``, ``state`` or ``kind``. ``METRICS`` lists them all; the Grafana dashboard in deploy/ is
-checked against it.
+``outcome``, ``state`` or ``kind``. ``worker`` is always the Ray actor name, as the Ray
+dashboard's Actors page shows it: ``pdserve-ctx-0``, ``pdserve-gen-0``, ``pdserve-router``.
+``METRICS`` lists them all; the Grafana dashboard in deploy/ is checked against it.
 
-Two recorders use them:
+Exact totals come from counters, never from a histogram's ``_sum``: Ray 2.60 exports a
+histogram's sum from its buckets' midpoints (seen: ``tokens_per_step_sum`` 35.5 where 48
+tokens were produced), so every figure a dashboard adds up has a counter of its own (tokens by kind,
+steps, scheduler / forward / KV transfer seconds, bytes, transfers, pauses). The histograms stay
+for distributions (quantiles) and their ``_count`` (exact).
 
-- ``WorkerMetrics(role, worker_id)``: a worker actor calls ``observe(executor)`` after every
-  executor step (``WorkerLoop(on_step=...)``). Counters and histograms come from the deltas of the
-  executor's cumulative ``ExecutorStats`` / ``TransceiverStats``; gauges (requests per state, KV
-  blocks) are refreshed at most every ``gauge_interval_s``, and always after the step that
-  leaves the executor idle (``not executor.has_work``), so no gauge stays stale; ``force=True``
-  refreshes them at once.
-- ``RouterMetrics()``: the router calls one method per event (queue change, first token, finish).
+Gauges must be re-set, not just set. What Ray 2.60 does (OpenTelemetry export, the default),
+measured with a gauge set once in an actor: the process exports to its node's metrics agent
+every ``metrics_report_interval_ms`` (10 s by default, at least 1 s) only the gauge values
+*recorded since its previous export*, and the agent drops a gauge series that has not been
+refreshed for 2 report intervals. A gauge set once was on the endpoint for ~2 s at a 1 s
+interval and ~20 s at the default 10 s, then vanished, while counters and histograms (cumulative)
+stay. So a worker that went idle, whose gauges were only set after steps, lost its KV and
+request gauges from Prometheus a few seconds after the load stopped. Hence the timers:
+
+- ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(executor)`` after every
+  executor step (``WorkerLoop(on_step=...)``) and ``tick(executor)`` every loop turn (a
+  ``WorkerLoop`` tick hook: at least every ``idle_wait_s``, idle included). Counters and
+  histograms come from the deltas of the executor's cumulative ``ExecutorStats`` /
+  ``TransceiverStats``; gauges (requests per state, KV blocks) are set again, changed or not,
+  whenever ``gauge_interval_s`` (0.5 s) has passed, from ``observe`` or ``tick``, and always
+  after the step that leaves the executor idle (``not executor.has_work``); ``force=True``
+  sets them at once. A tick that is not due costs one clock read. While a step is stuck the
+  ticks stop, and so, after 2 report intervals, do the worker's gauges.
+- ``RouterMetrics()``: the router calls one method per event (queue change, first token,
+  finish); events are buffered and handed to Ray by ``flush``, which the router calls every
+  ``status_refresh_s`` (0.5 s). ``flush`` sets every gauge's last value again each time, so the
+  router's gauges stay exported while it is up; they start at 0.
 
 Importing this module does not import Ray: metric objects are created on first use, in the
 process that records them (a Ray metric object must be created where Ray is initialised). Tests
@@ -81,6 +101,9 @@ KV_TRANSFER_SECONDS = _spec("pdserve_kv_transfer_seconds", HISTOGRAM,
 KV_TRANSFER_GBPS = _spec("pdserve_kv_transfer_gbps", HISTOGRAM,
                          "Throughput of successful KV transfers that moved bytes, GB/s",
                          boundaries=_GBPS)
+KV_TRANSFER_TIME = _spec("pdserve_kv_transfer_time_seconds", COUNTER,
+                         "Seconds spent in successful KV transfers; the exact total of "
+                         "pdserve_kv_transfer_seconds")
 KV_TRANSFERS = _spec("pdserve_kv_transfers", COUNTER,
                      "Finished KV transfers by final session state (SENT, COMPLETE, EXPIRED, ...)",
                      OUTCOME)
@@ -101,6 +124,15 @@ FORWARD_SECONDS = _spec("pdserve_forward_seconds", HISTOGRAM,
 TOKENS_PER_STEP = _spec("pdserve_tokens_per_step", HISTOGRAM,
                         "Tokens per step: kind=context (prompt tokens prefilled) or "
                         "kind=generated (tokens sampled)", KIND, boundaries=_TOKENS)
+# Workers: exact totals (a Ray histogram's _sum is made of bucket midpoints).
+TOKENS = _spec("pdserve_tokens", COUNTER,
+               "Tokens processed: kind=context (prompt tokens prefilled) or kind=generated "
+               "(tokens sampled); the exact total of pdserve_tokens_per_step", KIND)
+SCHEDULER_STEPS = _spec("pdserve_scheduler_steps", COUNTER, "Executor steps (scheduler passes)")
+SCHEDULER_TIME = _spec("pdserve_scheduler_time_seconds", COUNTER,
+                       "Seconds spent scheduling; the exact total of pdserve_scheduler_step_seconds")
+FORWARD_TIME = _spec("pdserve_forward_time_seconds", COUNTER,
+                     "Seconds spent in model forwards; the exact total of pdserve_forward_seconds")
 # Workers: KV cache.
 KV_BLOCKS_USED = _spec("pdserve_kv_blocks_used", GAUGE, "KV blocks held by requests")
 KV_BLOCKS_FREE = _spec("pdserve_kv_blocks_free", GAUGE,
@@ -117,6 +149,10 @@ ROUTER_REQUESTS = _spec("pdserve_router_requests", COUNTER,
 ROUTER_PREFILLS = _spec("pdserve_router_prefills", COUNTER,
                         "Dispatched prefills: kind=remote (context worker) or kind=local", KIND)
 ROUTER_RETRIES = _spec("pdserve_router_retries", COUNTER, "Retries on another worker pair or locally")
+ROUTER_KV_PATHS = _spec("pdserve_router_kv_paths", COUNTER,
+                        "How each finished request's KV reached its generation worker: "
+                        "kind=transferred | local_prefill | prefix_cached | context_finished | failed",
+                        KIND)
 ROUTER_QUEUE_SECONDS = _spec("pdserve_router_queue_seconds", HISTOGRAM,
                              "Router receipt to dispatch to the first worker", boundaries=_SECONDS_LATENCY)
 ROUTER_TTFT_SECONDS = _spec("pdserve_router_ttft_seconds", HISTOGRAM,
@@ -128,8 +164,19 @@ ROUTER_E2E_SECONDS = _spec("pdserve_router_e2e_seconds", HISTOGRAM,
 METRICS: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 METRIC_NAMES: tuple[str, ...] = tuple(m.name for m in METRICS)
 
+# Every LlmRequestState name: the ``state`` tag's values.
+_STATE_NAMES = (
+    "DISAGG_TRANS_ERROR", "UNKNOWN", "ENCODER_INIT", "DISAGG_CONTEXT_WAIT_SCHEDULER",
+    "DISAGG_GENERATION_INIT", "DISAGG_GENERATION_TRANS_IN_PROGRESS", "CONTEXT_INIT",
+    "DISAGG_CONTEXT_INIT_AND_TRANS", "DISAGG_GENERATION_TRANS_COMPLETE", "GENERATION_IN_PROGRESS",
+    "GENERATION_TO_COMPLETE", "GENERATION_COMPLETE", "DISAGG_CONTEXT_TRANS_IN_PROGRESS",
+    "DISAGG_CONTEXT_COMPLETE", "DISAGG_GENERATION_WAIT_TOKENS",
+)
+
 # Final session states of a transfer that delivered its KV (transport.protocol SendState/RecvState).
 OK_OUTCOMES = frozenset({"SENT", "COMPLETE"})
+# RouterMetrics.count_kv_path's kinds (RouterTotals.kv_paths in the gRPC API).
+KV_PATH_KINDS = ("transferred", "local_prefill", "prefix_cached", "context_finished", "failed")
 
 
 # ---------------------------------------------------------------------------- metric objects
@@ -272,10 +319,11 @@ class _Counters(NamedTuple):
     aborted: int
     transfers: int  # records appended: sent + received + failed
     transfer_bytes: int
+    transfer_seconds: float  # successful transfers only
     leases_expired: int
 
 
-_ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
+_ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)
 
 
 class WorkerMetrics(_Recorder):
@@ -295,16 +343,24 @@ class WorkerMetrics(_Recorder):
         self._clock = clock
         self._last = _ZERO
         self._next_gauges_at = -math.inf
-        self._states_reported: set[str] = set()
+        # Every state is exported, 0 when no request is in it, so the series exist from the
+        # first refresh (a burst shorter than one refresh interval would otherwise leave none).
+        self._states_reported: set[str] = set(_STATE_NAMES)
 
     def observe(self, executor: Executor, *, force: bool = False) -> None:
         """After each step: counter/histogram deltas always; gauges when due, when the executor
         has no work left, or with ``force``."""
         t = executor.transceiver
         self.observe_stats(executor.stats, t.stats if t is not None else None)
+        # The step that leaves the executor idle always refreshes (its values changed).
+        self.tick(executor, force=force or not executor.has_work)
+
+    def tick(self, executor: Executor, *, force: bool = False) -> None:
+        """Every loop turn, idle included (a WorkerLoop tick hook): set every gauge again when
+        ``gauge_interval_s`` has passed, so Ray keeps exporting them (see the module docstring).
+        Not due: one clock read."""
         now = self._clock()
-        # The loop stops calling once the executor is idle: the last step always refreshes.
-        if force or now >= self._next_gauges_at or not executor.has_work:
+        if force or now >= self._next_gauges_at:
             self._next_gauges_at = now + self.gauge_interval_s
             self.observe_gauges(gauges_from_executor(executor))
 
@@ -318,6 +374,7 @@ class WorkerMetrics(_Recorder):
             stats.generated_tokens, stats.pauses, stats.finished, stats.aborted,
             (ts.sent + ts.received + ts.failed) if ts is not None else 0,
             (ts.bytes_sent + ts.bytes_received) if ts is not None else 0,
+            ts.seconds if ts is not None else 0.0,
             ts.leases_expired if ts is not None else 0,
         )
         last = self._last
@@ -326,6 +383,11 @@ class WorkerMetrics(_Recorder):
         d = _Counters(*(c - p if c >= p else c for c, p in zip(cur, last)))
         self._last = cur
 
+        self._inc(SCHEDULER_STEPS, d.steps)
+        self._inc(SCHEDULER_TIME, d.schedule_seconds)
+        self._inc(FORWARD_TIME, d.forward_seconds)
+        self._inc(TOKENS, d.context_tokens, self._tags_with(KIND, "context"))
+        self._inc(TOKENS, d.generated_tokens, self._tags_with(KIND, "generated"))
         if d.steps > 0:
             self._observe(SCHEDULER_STEP_SECONDS, d.schedule_seconds / d.steps)
             if d.forward_seconds > 0:  # steps with nothing to run do no forward
@@ -338,6 +400,7 @@ class WorkerMetrics(_Recorder):
         self._inc(FINISHED_REQUESTS, d.finished, self._tags_with(OUTCOME, "finished"))
         self._inc(FINISHED_REQUESTS, d.aborted, self._tags_with(OUTCOME, "aborted"))
         self._inc(KV_TRANSFER_BYTES, d.transfer_bytes)
+        self._inc(KV_TRANSFER_TIME, d.transfer_seconds)
         self._inc(KV_LEASES_EXPIRED, d.leases_expired)
         if d.transfers > 0 and ts is not None:
             records = ts.records  # bounded deque: only its newest entries can be new
@@ -371,13 +434,17 @@ class RouterMetrics(_Recorder):
     """Records the router's metrics. Events are buffered and handed to Ray by ``flush`` (the
     router calls it from its status refresh, every status_refresh_s): a Ray metric call costs
     tens of microseconds, and a request records about ten, so recording them inline would add
-    a noticeable share of a 1-token request's latency. Not thread-safe: one event loop owns it."""
+    a noticeable share of a 1-token request's latency. Every ``flush`` sets every gauge's last
+    value again (Ray drops a gauge that is not re-set; see the module docstring); the gauges
+    start at 0. Not thread-safe: one event loop owns it."""
 
     def __init__(self, router_id: str = "pdserve-router", *, factory: MetricsFactory | None = None) -> None:
         super().__init__("router", router_id, factory)
         self._counts: dict[tuple[str, tuple], list] = {}  # name, tags -> [spec, tags, sum]
         self._gauges: dict[tuple[str, tuple], list] = {}  # name, tags -> [spec, tags, last value]
         self._observations: list[tuple[MetricSpec, dict[str, str], float]] = []
+        self.set_queue_depth(0)
+        self.set_in_flight(0)
 
     def _inc(self, spec: MetricSpec, value: float, tags: dict[str, str] | None = None) -> None:
         tags = tags or self._tags
@@ -392,11 +459,13 @@ class RouterMetrics(_Recorder):
         self._observations.append((spec, tags or self._tags, value))
 
     def flush(self) -> None:
-        counts, gauges, observations = self._counts, self._gauges, self._observations
-        self._counts, self._gauges, self._observations = {}, {}, []
+        """Hands the buffered counts and observations to Ray, and sets every gauge (kept, not
+        cleared: each flush re-sets all of them, changed or not)."""
+        counts, observations = self._counts, self._observations
+        self._counts, self._observations = {}, []
         for spec, tags, total in counts.values():
             _Recorder._inc(self, spec, total, tags)
-        for spec, tags, value in gauges.values():
+        for spec, tags, value in list(self._gauges.values()):
             _Recorder._set(self, spec, value, tags)
         for spec, tags, value in observations:
             _Recorder._observe(self, spec, value, tags)
@@ -416,6 +485,14 @@ class RouterMetrics(_Recorder):
 
     def count_retries(self, n: int = 1) -> None:
         self._inc(ROUTER_RETRIES, n)
+
+    def count_kv_path(self, kind: str) -> None:
+        """How a finished request's KV reached its generation worker; kind: one of
+        ``KV_PATH_KINDS`` (transferred | local_prefill | prefix_cached | context_finished |
+        failed)."""
+        if kind not in KV_PATH_KINDS:
+            raise ValueError(f"unknown KV path kind {kind!r}; expected one of {KV_PATH_KINDS}")
+        self._inc(ROUTER_KV_PATHS, 1, self._tags_with(KIND, kind))
 
     def observe_queue_time(self, seconds: float) -> None:
         self._observe(ROUTER_QUEUE_SECONDS, seconds)

@@ -2,11 +2,15 @@
 
 Starts its own local Ray (metrics reported every second), records a worker's and the router's
 metrics inside an actor, and polls the node's /metrics endpoint (bounded) until they appear.
+The actor keeps setting the gauges every half second, as the workers' tick hook and the router's
+flush do: Ray exports only the gauges set since its last report and drops one that has not been
+set for 2 report intervals (cluster/metrics.py).
 Ray 2.60's token auth covers its gRPC/dashboard APIs; the Prometheus endpoint is plain HTTP, but
 if it ever answers 401/403 the poll retries with the cluster token as a bearer token.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -47,7 +51,8 @@ def ray_metrics_port():
         ray.shutdown()
 
 
-def _record_metrics(worker_id: str, router_id: str) -> None:
+def _record_metrics(worker_id: str, router_id: str):
+    """Records one set of events; returns the (worker, gauges, router) that keep the gauges."""
     from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
     from pdserve.workers.executor import ExecutorStats
     from pdserve.workers.transceiver import TransceiverStats, TransferRecord
@@ -59,12 +64,13 @@ def _record_metrics(worker_id: str, router_id: str) -> None:
     worker.observe_stats(stats, ts)
     stats.steps, stats.schedule_seconds, stats.forward_seconds = 2, 0.004, 0.04
     stats.generated_tokens, stats.pauses = 3, 3
-    ts.sent, ts.failed, ts.bytes_sent, ts.leases_expired = 2, 1, 3_000_000, 1
+    ts.sent, ts.failed, ts.bytes_sent, ts.leases_expired, ts.seconds = 2, 1, 3_000_000, 1, 0.006
     ts.records.extend([TransferRecord(1, "send", "SENT", 1_000_000, 0.003, ""),
                        TransferRecord(2, "send", "SENT", 2_000_000, 0.003, ""),
                        TransferRecord(3, "send", "EXPIRED", 0, 30.0, "lease")])
     worker.observe_stats(stats, ts)
-    worker.observe_gauges(WorkerGauges({"GENERATION_IN_PROGRESS": 2, "CONTEXT_INIT": 1}, 5, 27, 32, 0))
+    gauges = WorkerGauges({"GENERATION_IN_PROGRESS": 2, "CONTEXT_INIT": 1}, 5, 27, 32, 0)
+    worker.observe_gauges(gauges)
 
     router = RouterMetrics(router_id)
     router.set_queue_depth(4)
@@ -74,7 +80,11 @@ def _record_metrics(worker_id: str, router_id: str) -> None:
     router.count_retries()
     router.observe_ttft(0.2)
     router.observe_e2e(1.2)
+    router.count_kv_path("transferred")
+    router.count_kv_path("transferred")
+    router.count_kv_path("failed")
     router.flush()
+    return worker, gauges, router
 
 
 def _scrape(port: int) -> str:
@@ -107,7 +117,17 @@ def test_pdserve_metrics_are_exported_with_tags(ray_metrics_port):
     @ray.remote(num_cpus=0)
     class Recorder:
         def record(self) -> None:
-            _record_metrics(WORKER_ID, ROUTER_ID)
+            import threading
+
+            worker, gauges, router = _record_metrics(WORKER_ID, ROUTER_ID)
+
+            def keep_gauges() -> None:  # what the worker's tick hook and the router's flush do
+                while True:
+                    time.sleep(0.5)
+                    worker.observe_gauges(gauges)
+                    router.flush()
+
+            threading.Thread(target=keep_gauges, daemon=True).start()
 
     recorder = Recorder.options(name="pdserve-metrics-test").remote()
     ray.get(recorder.record.remote(), timeout=60)
@@ -124,6 +144,12 @@ def test_pdserve_metrics_are_exported_with_tags(ray_metrics_port):
         key("ray_pdserve_kv_transfers_total", w, outcome="EXPIRED"): 1.0,
         key("ray_pdserve_kv_transfer_bytes_total", w): 3_000_000.0,
         key("ray_pdserve_kv_leases_expired_total", w): 1.0,
+        key("ray_pdserve_kv_transfer_time_seconds_total", w): 0.006,
+        key("ray_pdserve_scheduler_steps_total", w): 2.0,
+        key("ray_pdserve_scheduler_time_seconds_total", w): 0.004,
+        key("ray_pdserve_forward_time_seconds_total", w): 0.04,
+        key("ray_pdserve_tokens_total", w, kind="context"): 64.0,
+        key("ray_pdserve_tokens_total", w, kind="generated"): 3.0,
         key("ray_pdserve_kv_transfer_seconds_count", w): 2.0,
         key("ray_pdserve_scheduler_step_seconds_count", w): 2.0,
         key("ray_pdserve_forward_seconds_count", w): 2.0,
@@ -137,6 +163,9 @@ def test_pdserve_metrics_are_exported_with_tags(ray_metrics_port):
         key("ray_pdserve_kv_blocks_capacity", w): 32.0,
         key("ray_pdserve_kv_blocks_quarantined", w): 0.0,
         key("ray_pdserve_router_queue_depth", r): 4.0,
+        key("ray_pdserve_router_in_flight", r): 0.0,  # never set: the router starts it at 0
+        key("ray_pdserve_router_kv_paths_total", r, kind="transferred"): 2.0,
+        key("ray_pdserve_router_kv_paths_total", r, kind="failed"): 1.0,
         key("ray_pdserve_router_requests_total", r, outcome="completed"): 2.0,
         key("ray_pdserve_router_requests_total", r, outcome="aborted"): 1.0,
         key("ray_pdserve_router_retries_total", r): 1.0,
@@ -156,5 +185,22 @@ def test_pdserve_metrics_are_exported_with_tags(ray_metrics_port):
         time.sleep(1.0)
     missing = sorted(name + str(sorted(tags)) for (name, tags) in expected if (name, tags) not in seen)
     assert not missing, f"not exported within 45 s: {missing}"
-    wrong = {k: (seen[k], v) for k, v in expected.items() if seen[k] != v}
+    wrong = {k: (seen[k], v) for k, v in expected.items() if not math.isclose(seen[k], v, rel_tol=1e-9)}
     assert not wrong, f"(exported, expected): {wrong}"
+
+    # Re-set every half second, the gauges outlive Ray's 2-report-interval eviction (~2 s here).
+    time.sleep(5.0)
+    later = {}
+    deadline = time.monotonic() + 30
+    gauges = [k for k in expected if not k[0].endswith(("_total", "_count")) and "_bucket" not in k[0]]
+    assert len(gauges) >= 8
+    while time.monotonic() < deadline:
+        try:
+            later = _samples(_scrape(ray_metrics_port))
+        except (urllib.error.URLError, ConnectionError):
+            later = {}
+        if all(later.get(k) == expected[k] for k in gauges):
+            break
+        time.sleep(1.0)
+    gone = sorted(name + str(sorted(tags)) for (name, tags) in gauges if (name, tags) not in later)
+    assert not gone, f"gauges no longer exported after 5 s: {gone}"

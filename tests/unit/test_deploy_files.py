@@ -1,11 +1,16 @@
 """deploy/: every YAML and JSON parses; the Grafana dashboard has a panel for every metric that
-cluster/metrics.py defines (read from the module) and matches its generator; the cluster
-manifests start pdserve with `pdserve launch` and pin torch."""
+cluster/metrics.py defines (read from the module), takes totals and means from counters only and
+matches its generator; the Grafana provisioning file loads it; the Prometheus configs are valid
+(promtool, where installed); the cluster manifests start pdserve with `pdserve launch` and pin
+torch. tests/integration/test_prometheus_scrape.py runs the dashboard's queries on a real
+Prometheus."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ from pdserve.cluster import metrics as M
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "pdserve-dashboard.json"
+PROVISIONING = DEPLOY / "grafana" / "provisioning" / "dashboards" / "pdserve.yml"
 
 
 def _files(*suffixes: str) -> list[Path]:
@@ -52,11 +58,16 @@ def test_json_parses(path: Path):
 
 def test_expected_deploy_files_exist():
     for rel in ("ray-cluster.yaml", "kuberay/raycluster.yaml", "prometheus/prometheus.yml",
-                "grafana/pdserve-dashboard.json"):
+                "grafana/pdserve-dashboard.json", "grafana/provisioning/dashboards/pdserve.yml"):
         assert (DEPLOY / rel).is_file(), rel
 
 
 # ---------------------------------------------------------------------------- grafana
+
+
+def _primary_panel(panels: list[dict], spec: M.MetricSpec) -> list[dict]:
+    """The panel the generator writes for ``spec`` (its description names the metric)."""
+    return [p for p in panels if p.get("description", "").endswith(f"({spec.kind} {spec.name})")]
 
 
 def test_dashboard_has_a_panel_for_every_metric():
@@ -64,10 +75,10 @@ def test_dashboard_has_a_panel_for_every_metric():
     panels = [p for p in _panels(dashboard) if p["type"] != "row"]
     assert len(M.METRICS) >= 20
     for spec in M.METRICS:
+        (panel,) = _primary_panel(panels, spec)
         pattern = _series_pattern(spec)
-        matching = [p for p in panels if any(pattern.search(t["expr"]) for t in p["targets"])]
-        assert len(matching) == 1, f"{spec.name}: {len(matching)} panels"
-        exprs = [t["expr"] for t in matching[0]["targets"]]
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert exprs and all(pattern.search(e) for e in exprs), (spec.name, exprs)
         for expr in exprs:
             assert 'role=~"$role"' in expr and 'worker=~"$worker"' in expr, expr
             assert expr.count("(") == expr.count(")"), expr
@@ -79,6 +90,52 @@ def test_dashboard_has_a_panel_for_every_metric():
                 assert "rate(" not in expr, expr
         if spec.kind == M.HISTOGRAM:
             assert len(exprs) == 3  # p50, p95, p99
+
+
+def _allowed_series() -> set[str]:
+    out = set()
+    for spec in M.METRICS:
+        if spec.kind == M.COUNTER:
+            out.add(f"ray_{spec.name}_total")
+        elif spec.kind == M.GAUGE:
+            out.add(f"ray_{spec.name}")
+        else:  # never _sum: Ray builds it from bucket midpoints
+            out |= {f"ray_{spec.name}_bucket", f"ray_{spec.name}_count"}
+    return out
+
+
+def test_every_dashboard_query_names_real_series_and_no_histogram_sum():
+    dashboard = json.loads(DASHBOARD.read_text())
+    allowed = _allowed_series()
+    used = set()
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            names = set(re.findall(r"\bray_pdserve_[a-z0-9_]+", expr))
+            assert names, expr
+            assert names <= allowed, (panel["title"], sorted(names - allowed))
+            assert 'role=~"$role"' in expr and 'worker=~"$worker"' in expr, expr
+            assert expr.count("(") == expr.count(")"), expr
+            used |= names
+    # The exact counters are on the dashboard: totals and means come from them.
+    for spec in (M.TOKENS, M.SCHEDULER_STEPS, M.FORWARD_TIME, M.KV_TRANSFER_TIME, M.ROUTER_KV_PATHS,
+                 M.KV_TRANSFER_BYTES, M.PAUSED_REQUESTS):
+        assert spec.prometheus_name in used, spec.name
+
+
+def test_dashboard_derives_totals_and_means_from_counters():
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = {p["title"]: p for p in _panels(dashboard)}
+    exprs = {title: " ".join(t["expr"] for t in p.get("targets", [])) for title, p in panels.items()}
+    assert "ray_pdserve_tokens_total" in exprs["Tokens by kind (total)"]
+    assert "ray_pdserve_router_kv_paths_total" in exprs["KV paths by kind (total)"]
+    assert "ray_pdserve_router_kv_paths_total" in exprs["Router KV paths by kind (per second)"]
+    mean_tokens = exprs["Tokens per step by kind (mean)"]
+    assert "ray_pdserve_tokens_total" in mean_tokens and "ray_pdserve_scheduler_steps_total" in mean_tokens
+    gbps = exprs["KV transfer throughput (mean GB/s)"]
+    assert "ray_pdserve_kv_transfer_bytes_total" in gbps and "ray_pdserve_kv_transfer_time_seconds_total" in gbps
+    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
+    assert rows[0] == "Totals"
 
 
 def test_dashboard_is_templated_by_role_and_worker():
@@ -100,7 +157,39 @@ def test_dashboard_json_matches_its_generator():
     )
 
 
+def test_grafana_provisioning_loads_the_dashboard_folder():
+    (config,) = _yaml(PROVISIONING)
+    assert config["apiVersion"] == 1
+    (provider,) = config["providers"]
+    assert provider["type"] == "file"
+    path = provider["options"]["path"]
+    # An environment variable Grafana expands; pointed at deploy/grafana it finds the dashboard.
+    var = re.fullmatch(r"\$\{?([A-Z_]+)\}?", path)
+    assert var, path
+    assert var.group(1) in (ROOT / "README.md").read_text()
+    assert (DASHBOARD.parent / DASHBOARD.name).is_file()
+    assert json.loads(DASHBOARD.read_text())["uid"] == "pdserve"
+
+
+def test_readme_documents_the_metrics_tab():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Metrics tab: Prometheus and Grafana"):]
+    for needle in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST",
+                   "deploy/prometheus/prometheus.yml", "prom_metrics_service_discovery.json",
+                   "session_latest/metrics/grafana", "pdserve-dashboard.json",
+                   "deploy/grafana/provisioning/dashboards/pdserve.yml", "/api/dashboards/db"):
+        assert needle in section, needle
+
+
 # ---------------------------------------------------------------------------- prometheus
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (Debian package prometheus)")
+@pytest.mark.parametrize("name", ["prometheus.yml", "prometheus-static.yml"])
+def test_promtool_accepts_the_prometheus_configs(name: str):
+    out = subprocess.run(["promtool", "check", "config", "--syntax-only", str(DEPLOY / "prometheus" / name)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_prometheus_scrapes_rays_service_discovery_file():

@@ -1,5 +1,5 @@
 """cluster/metrics.py without Ray: a fake factory records every metric call, a fake clock drives
-the gauge rate limit, and the executor's real stats dataclasses carry the cumulative counters."""
+the gauge timer, and the executor's real stats dataclasses carry the cumulative counters."""
 from __future__ import annotations
 
 import re
@@ -189,6 +189,12 @@ def test_counters_record_deltas_and_histograms_one_value_per_step():
     assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2, 3]
     assert factory.calls(M.SCHEDULER_STEP_SECONDS) == [0.001, 0.002]
     assert [round(v, 9) for v in factory.calls(M.FORWARD_SECONDS)] == [0.01, 0.02]
+    # The exact totals, as counters.
+    assert factory.calls(M.SCHEDULER_STEPS) == [1, 1]
+    assert factory.calls(M.TOKENS, kind="context") == [16]
+    assert factory.calls(M.TOKENS, kind="generated") == [2, 3]
+    assert [round(v, 9) for v in factory.calls(M.SCHEDULER_TIME)] == [0.001, 0.002]
+    assert [round(v, 9) for v in factory.calls(M.FORWARD_TIME)] == [0.01, 0.02]
 
 
 def test_observing_twice_without_a_step_records_nothing_new():
@@ -210,6 +216,10 @@ def test_several_steps_between_observations_are_averaged_into_one():
     assert [round(v, 9) for v in factory.calls(M.SCHEDULER_STEP_SECONDS)] == [0.004]
     assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2]
     assert factory.calls(M.FORWARD_SECONDS) == []  # idle steps ran no forward
+    # The counters keep the exact totals the averaged histogram cannot.
+    assert factory.calls(M.SCHEDULER_STEPS) == [4]
+    assert factory.calls(M.TOKENS, kind="generated") == [8]
+    assert factory.calls(M.FORWARD_TIME) == []
 
 
 def test_a_new_executor_restarts_the_deltas_from_zero():
@@ -241,6 +251,7 @@ def test_transfers_are_recorded_once_each_by_outcome():
     assert factory.calls(M.KV_TRANSFER_BYTES) == [2_000_000]
     assert factory.calls(M.KV_LEASES_EXPIRED) == [1]
     assert factory.calls(M.KV_TRANSFER_SECONDS) == [0.002, 0.001]  # successful transfers only
+    assert factory.calls(M.KV_TRANSFER_TIME) == [0.002, 0.001]
     assert [round(v, 6) for v in factory.calls(M.KV_TRANSFER_GBPS)] == [1.0]  # 2 MB / 2 ms
 
 
@@ -262,20 +273,28 @@ def test_more_new_transfers_than_the_bounded_record_deque_keeps():
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 50), st.integers(0, 2),
-                          st.sampled_from(["SENT", "COMPLETE", "FAILED", "EXPIRED"])), max_size=30),
+                          st.sampled_from(["SENT", "COMPLETE", "FAILED", "EXPIRED"]),
+                          st.integers(0, 64), st.sampled_from([0.0, 0.003, 0.0125])), max_size=30),
        st.lists(st.booleans(), max_size=30))
 def test_counter_increments_sum_to_the_cumulative_totals(events, observe_after):
     metrics, factory, _ = _worker()
     t = FakeTransceiver()
     ex = FakeExecutor(t)
-    for i, (pauses, gen, n_transfers, outcome) in enumerate(events):
-        _step(ex, gen=gen, pauses=pauses)
+    for i, (pauses, gen, n_transfers, outcome, ctx, forward) in enumerate(events):
+        _step(ex, gen=gen, ctx=ctx, pauses=pauses, forward=forward)
         for _ in range(n_transfers):
             t.finish(i, outcome, 10, 0.01)
         if i < len(observe_after) and observe_after[i]:
             metrics.observe(ex)
     metrics.observe(ex)
     assert sum(factory.calls(M.PAUSED_REQUESTS)) == ex.stats.pauses
+    # Exact totals, whatever the histograms' averaging: tokens by kind, steps, seconds.
+    assert sum(factory.calls(M.TOKENS, kind="context")) == ex.stats.context_tokens
+    assert sum(factory.calls(M.TOKENS, kind="generated")) == ex.stats.generated_tokens
+    assert sum(factory.calls(M.SCHEDULER_STEPS)) == ex.stats.steps
+    assert abs(sum(factory.calls(M.SCHEDULER_TIME)) - ex.stats.schedule_seconds) < 1e-9
+    assert abs(sum(factory.calls(M.FORWARD_TIME)) - ex.stats.forward_seconds) < 1e-9
+    assert abs(sum(factory.calls(M.KV_TRANSFER_TIME)) - t.stats.seconds) < 1e-9
     assert sum(factory.calls(M.KV_TRANSFER_BYTES)) == t.stats.bytes_sent + t.stats.bytes_received
     total_transfers = t.stats.sent + t.stats.received + t.stats.failed
     assert sum(factory.calls(M.KV_TRANSFERS)) == total_transfers
@@ -331,6 +350,58 @@ def test_the_step_that_leaves_the_executor_idle_refreshes_the_gauges():
     assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0]
 
 
+def test_ticks_set_every_gauge_again_on_a_timer_while_idle():
+    """Ray exports only the gauges set since its last report, and drops one not set for two
+    reports: an idle worker's ticks must keep setting them, unchanged values included."""
+    metrics, factory, clock = _worker(gauge_interval_s=0.5)
+    t = FakeTransceiver()
+    ex = FakeExecutor(t)
+    ex.has_work = False
+    metrics.tick(ex)  # the first tick sets them: exported from the start, before any step
+    assert factory.calls(M.KV_BLOCKS_FREE) == [32]
+    for _ in range(3):  # frequent idle ticks: not due, nothing recorded
+        clock.now += 0.125
+        metrics.tick(ex)
+    assert factory.calls(M.KV_BLOCKS_FREE) == [32]
+    clock.now += 0.125
+    metrics.tick(ex)  # 0.5 s later: due
+    for name in (M.KV_BLOCKS_FREE, M.KV_BLOCKS_USED, M.KV_BLOCKS_CAPACITY, M.KV_BLOCKS_QUARANTINED):
+        assert len(factory.calls(name)) == 2, name
+    for _ in range(20):  # 10 idle seconds: set again every 0.5 s
+        clock.now += 0.5
+        metrics.tick(ex)
+    assert factory.calls(M.KV_BLOCKS_FREE) == [32] * 22
+    assert factory.calls(M.KV_BLOCKS_USED) == [0] * 22
+
+
+def test_ticks_keep_a_state_that_emptied_at_zero():
+    metrics, factory, clock = _worker(gauge_interval_s=0.5)
+    ex = FakeExecutor()
+    ex.active = [_request(1, S.GENERATION_IN_PROGRESS)]
+    metrics.observe(ex)
+    ex.active, ex.has_work = [], False
+    clock.now += 0.1
+    metrics.observe(ex)  # the step that left it idle
+    for _ in range(3):
+        clock.now += 0.5
+        metrics.tick(ex)
+    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0, 0, 0, 0]
+
+
+def test_steps_and_ticks_share_one_gauge_timer():
+    metrics, factory, clock = _worker(gauge_interval_s=0.5)
+    ex = FakeExecutor()
+    metrics.observe(ex)
+    clock.now += 0.3
+    metrics.tick(ex)  # a step set them 0.3 s ago: not due
+    assert len(factory.calls(M.KV_BLOCKS_FREE)) == 1
+    clock.now += 0.2
+    metrics.tick(ex)
+    clock.now += 0.1
+    metrics.observe(ex)  # the tick set them 0.1 s ago, and the executor still has work
+    assert len(factory.calls(M.KV_BLOCKS_FREE)) == 2
+
+
 def test_gauges_from_a_status_dict_match_the_executor_snapshot():
     t = FakeTransceiver()
     ex = FakeExecutor(t)
@@ -382,9 +453,62 @@ def test_router_metrics_tag_every_event():
     assert factory.calls(M.ROUTER_E2E_SECONDS) == [1.5]
     router.observe_ttft(0.07)
     router.flush()
-    router.flush()  # nothing new: nothing recorded twice
+    router.flush()  # no new event: counters and histograms record nothing twice
     assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05, 0.07]
     assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [2]
+    # ... but every flush sets every gauge's last value again (Ray drops a gauge not re-set).
+    assert factory.calls(M.ROUTER_QUEUE_DEPTH) == [0, 0, 0]
+    assert factory.calls(M.ROUTER_IN_FLIGHT) == [2, 2, 2]
+
+
+def test_router_gauges_start_at_zero_and_are_set_at_every_flush():
+    factory = FakeFactory()
+    router = M.RouterMetrics(factory=factory)
+    router.flush()  # before any request: exported as 0
+    assert factory.calls(M.ROUTER_QUEUE_DEPTH, role="router", worker="pdserve-router") == [0]
+    assert factory.calls(M.ROUTER_IN_FLIGHT) == [0]
+    router.set_queue_depth(5)
+    router.flush()
+    router.set_in_flight(3)
+    for _ in range(3):
+        router.flush()
+    assert factory.calls(M.ROUTER_QUEUE_DEPTH) == [0, 5, 5, 5, 5]
+    assert factory.calls(M.ROUTER_IN_FLIGHT) == [0, 0, 3, 3, 3]
+
+
+def test_router_counts_kv_paths_by_kind():
+    factory = FakeFactory()
+    router = M.RouterMetrics(factory=factory)
+    for kind in ("transferred", "transferred", "local_prefill", "prefix_cached", "context_finished",
+                 "failed", "transferred"):
+        router.count_kv_path(kind)
+    assert factory.calls(M.ROUTER_KV_PATHS) == []  # buffered until flush
+    router.flush()
+    tags = dict(role="router", worker="pdserve-router")
+    assert factory.calls(M.ROUTER_KV_PATHS, kind="transferred", **tags) == [3]
+    for kind in ("local_prefill", "prefix_cached", "context_finished", "failed"):
+        assert factory.calls(M.ROUTER_KV_PATHS, kind=kind) == [1]
+    assert set(M.KV_PATH_KINDS) == {"transferred", "local_prefill", "prefix_cached",
+                                    "context_finished", "failed"}
+    assert M.ROUTER_KV_PATHS.kind == M.COUNTER and M.ROUTER_KV_PATHS.tag_keys == (M.ROLE, M.WORKER, M.KIND)
+    assert M.ROUTER_KV_PATHS.prometheus_name == "ray_pdserve_router_kv_paths_total"
+    try:
+        router.count_kv_path("teleported")
+    except ValueError:
+        return
+    raise AssertionError("an unknown KV path kind was accepted")
+
+
+def test_every_summed_figure_has_an_exact_counter():
+    """A Ray histogram's _sum is made of bucket midpoints: each histogram whose total matters
+    has a counter that keeps it exactly."""
+    pairs = {M.TOKENS_PER_STEP: M.TOKENS, M.SCHEDULER_STEP_SECONDS: M.SCHEDULER_TIME,
+             M.FORWARD_SECONDS: M.FORWARD_TIME, M.KV_TRANSFER_SECONDS: M.KV_TRANSFER_TIME}
+    for hist, counter in pairs.items():
+        assert hist.kind == M.HISTOGRAM and counter.kind == M.COUNTER
+        assert counter.tag_keys == hist.tag_keys
+        assert hist.name in counter.description
+    assert M.SCHEDULER_STEPS.kind == M.COUNTER
 
 
 def test_tag_values_must_be_strings():
@@ -393,3 +517,10 @@ def test_tag_values_must_be_strings():
     except TypeError:
         return
     raise AssertionError("a non-string worker id was accepted")
+
+
+def test_state_names_are_every_llm_request_state():
+    from pdserve.cluster import metrics as M
+    from pdserve.scheduler import LlmRequestState
+
+    assert set(M._STATE_NAMES) == {s.name for s in LlmRequestState}
