@@ -205,6 +205,9 @@ def launch(cfg: LaunchConfig) -> Cluster:
         options = dict(
             name=f"pdserve-{worker_id}", namespace=NAMESPACE, max_restarts=cfg.max_restarts,
             max_task_retries=0,
+            # Ray records which log lines each actor task wrote, so a kv_transfer row in the
+            # dashboard's task table links to its own line (duration, GB/s, outcome).
+            runtime_env={"env_vars": {"RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING": "1"}},
             max_concurrency=256, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
@@ -216,7 +219,10 @@ def launch(cfg: LaunchConfig) -> Cluster:
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
     infos = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()], timeout=READY_TIMEOUT_S)))
 
-    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote()
+    http = (f", HTTP {cfg.router.http_host}:{cfg.router.http_port or 'any'}"
+            if cfg.router.http_port is not None else "")
+    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote(
+        f"gRPC {cfg.router.host}:{cfg.router.port or 'any'}{http}")
     port = ray.get(router.start.remote(dataclasses.asdict(cfg.router), infos, str(model_dir), cfg.metrics),
                    timeout=READY_TIMEOUT_S)
     http_port = ray.get(router.http_port.remote(), timeout=READY_TIMEOUT_S)
@@ -249,7 +255,6 @@ def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
 def _router_actor_class():
     import ray
 
-    @ray.remote(max_concurrency=8)
     class RouterActor:
         """Hosts the router on an event loop of its own, on its own thread.
 
@@ -257,10 +262,11 @@ def _router_actor_class():
         1-token requests about 0.6 ms slower at p50 there (Ray's task machinery shares that
         loop). The actor's methods hand their work to the router's loop and wait for it."""
 
-        def __init__(self) -> None:
+        def __init__(self, description: str = "") -> None:
             import asyncio
             import threading
 
+            self.description = description
             self.router = None
             self.loop = asyncio.new_event_loop()
             self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router-loop",
@@ -316,7 +322,12 @@ def _router_actor_class():
         def http_port(self) -> int | None:
             return self.router.http_port
 
-    return RouterActor
+        def __repr__(self) -> str:  # the dashboard's Actors page shows it
+            return f"RouterActor({self.description})"
+
+    # The dashboard names an actor by its class's qualified name: not "..<locals>.RouterActor".
+    RouterActor.__qualname__ = "RouterActor"
+    return ray.remote(max_concurrency=8)(RouterActor)
 
 
 class _LazyRouterActor:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -49,6 +50,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster import policies as P
+from pdserve.cluster.metrics import KV_PATH_KINDS
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb, router_pb2_grpc, spec_from_proto
 from pdserve.cluster.text_stream import TextStream
 from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, WorkerChannel
@@ -121,6 +123,8 @@ class _StopStringReached(Exception):
 # Where a request is, as the router sees it (request_phases()).
 QUEUED, PREFILL, LOCAL, TRANSFER, DECODE = "queued", "prefill", "local", "transfer", "decode"
 DISPATCH_LOG_LEN = 1000
+MAX_EVENTS = 1000  # recent worker events kept for GetClusterStatus
+STATUS_EVENTS = 200  # the most GetClusterStatus returns
 WORKER_DEADLINE_GRACE_S = 0.5  # a worker's deadline for an attempt trails the request's
 
 
@@ -148,6 +152,8 @@ class _Request:
     kv_seconds: float = 0.0
     pauses: int = 0
     cached_tokens: int = 0
+    # Blocks the generation worker's receive moved; None until one completed (see _kv_path).
+    kv_blocks: int | None = None
     cancelled: bool = False
     task: asyncio.Task | None = None
     phase: str = QUEUED
@@ -207,12 +213,18 @@ class Router(router_pb2_grpc.RouterServicer):
         self.serving = True
         self.totals = {k: 0 for k in ("received", "completed", "failed", "aborted", "rejected",
                                       "retries", "remote_prefills", "local_prefills")}
+        # How each finished request's KV reached its generation worker (KvPathTotals).
+        self.kv_paths = {k: 0 for k in KV_PATH_KINDS}
+        # The workers' transfer, pause and resume events, from their heartbeats (oldest first).
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=MAX_EVENTS)
         self._ids = itertools.count(1)
         self._attempt_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.channels: dict[str, WorkerChannel] = {}  # worker id -> its open request channel
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._reconnects: dict[str, asyncio.Task] = {}  # worker id -> its reconnect in progress
+        self.statuses: dict[str, dict[str, Any]] = {}  # worker id -> its last heartbeat status
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self.http = None  # the OpenAI-compatible front door, when config.http_port is set
@@ -234,12 +246,26 @@ class Router(router_pb2_grpc.RouterServicer):
         await self.server.start()
         await self.health.set(ROUTER_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._hear_all_workers(self.config.status_timeout_s)
         self._tasks = [asyncio.create_task(self._dispatch_loop()),
                        asyncio.create_task(self._refresh_loop())]
         log.info("router serving on %s:%d", self.config.host, self.port)
         if self.config.http_port is not None:
             await self._start_http()
         return self.port
+
+    async def _hear_all_workers(self, timeout_s: float) -> None:
+        """Open every worker's channel and wait (bounded) for its first heartbeat, so the router
+        starts with real loads and GetClusterStatus has every worker from the first call. A
+        worker not heard by then is left to the refresh loop's reconnects."""
+        deadline = time.monotonic() + timeout_s
+        results = await asyncio.gather(*(self._open_channel(w, timeout_s) for w in self.workers),
+                                       return_exceptions=True)
+        for worker_id, result in zip(self.workers, results):
+            if isinstance(result, BaseException):
+                log.warning("request channel to %s: %r", worker_id, result)
+        while time.monotonic() < deadline and any(w not in self.statuses for w in self.workers):
+            await asyncio.sleep(0.02)
 
     async def _start_http(self) -> None:
         from pathlib import Path
@@ -256,7 +282,7 @@ class Router(router_pb2_grpc.RouterServicer):
         self.accepting = False
         if self.http is not None:
             await self.http.stop()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._reconnects.values()]:
             t.cancel()
         for channel in self.channels.values():
             channel.close("router stopping")
@@ -407,22 +433,42 @@ class Router(router_pb2_grpc.RouterServicer):
         return out
 
     async def GetClusterStatus(self, request, context):
-        statuses = await asyncio.gather(*(self._worker_status(w) for w in sorted(self.workers)))
-        totals = pb.RouterTotals(in_flight=self.inflight, **self.totals)
+        """Each worker is asked over its request channel (not a Ray call, so status polls never
+        reach the dashboard's task table) and answers between two steps; a worker that does
+        not answer within status_timeout_s is shown from its last heartbeat."""
+        await asyncio.gather(*(self._ask_status(w) for w in self.workers))
+        statuses = [self._worker_status(w) for w in sorted(self.workers)]
+        totals = pb.RouterTotals(in_flight=self.inflight, kv_paths=pb.KvPathTotals(**self.kv_paths),
+                                 **self.totals)
+        events = [_event_proto(e) for e in itertools.islice(
+            reversed(self.events), STATUS_EVENTS)][::-1]
         return pb.ClusterStatus(workers=statuses, router_queue_depth=len(self.waiting), totals=totals,
                                 context_policy=self.config.context_policy,
-                                generation_policy="least_loaded")
+                                generation_policy="least_loaded", recent_events=events)
 
-    async def _worker_status(self, worker_id: str):
-        role = pb.WORKER_ROLE_CONTEXT if self.infos[worker_id]["role"] == "context" else pb.WORKER_ROLE_GENERATION
+    async def _ask_status(self, worker_id: str) -> None:
+        channel = self.channels.get(worker_id)
+        if channel is None or not channel.open:
+            return
         try:
-            s = await asyncio.wait_for(self.workers[worker_id].status.remote(), self.config.status_timeout_s)
-        except Exception as exc:
+            await channel.fresh_status(self.config.status_timeout_s)  # applied by the channel
+        except (TimeoutError, ChannelClosed) as exc:
+            log.warning("status of %s: %r", worker_id, exc)
+
+    def _worker_status(self, worker_id: str):
+        role = pb.WORKER_ROLE_CONTEXT if self.infos[worker_id]["role"] == "context" else pb.WORKER_ROLE_GENERATION
+        channel = self.channels.get(worker_id)
+        s = self.statuses.get(worker_id)
+        if s is None or channel is None or channel.status is not s:
+            why = (channel.closed_reason if channel is not None and channel.closed_reason
+                   else "no heartbeat from its request channel yet")
             return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=False,
-                                   invariant_violations=[f"status call failed: {exc!r}"])
+                                   invariant_violations=[f"no status: {why}"])
+        age = time.monotonic() - channel.status_at
+        healthy = self.loads[worker_id].healthy and channel.open
         t = s.get("transfers") or {}
         return pb.WorkerStatus(
-            worker_id=worker_id, role=role, healthy=bool(s.get("healthy", True)),
+            worker_id=worker_id, role=role, healthy=healthy,
             requests_by_state=s["requests_by_state"], free_kv_blocks=s["free_blocks"],
             total_kv_blocks=s["total_blocks"], queue_depth=s["queue_depth"], pauses=s["pauses"],
             quarantined_blocks=s["quarantined_blocks"],
@@ -431,6 +477,9 @@ class Router(router_pb2_grpc.RouterServicer):
                                        seconds=t.get("seconds", 0.0), outcomes=t.get("outcomes", {})),
             invariant_violations=s["violations"], active_requests=s["num_active"],
             max_batch_size=s["max_batch_size"], tokens_per_block=s["tokens_per_block"],
+            generated_tokens=s.get("generated_tokens", 0), context_tokens=s.get("context_tokens", 0),
+            paused_requests=s.get("paused_requests", 0), status_age_s=age,
+            capacity_policy=s.get("capacity_policy", ""),
         )
 
     # ------------------------------------------------------------------ dispatch
@@ -539,6 +588,7 @@ class Router(router_pb2_grpc.RouterServicer):
 
     async def _remote(self, req: _Request, ctx_id: str, gen_id: str) -> None:
         req.ctx_worker, req.gen_worker, req.local_prefill = ctx_id, gen_id, False
+        req.kv_blocks = None
         req.phase = PREFILL
         self._note_dispatch(ctx_id, len(req.prompt))
         self._note_dispatch(gen_id, 0)
@@ -669,24 +719,29 @@ class Router(router_pb2_grpc.RouterServicer):
                 req.attempts.remove((worker_id, attempt))
 
     async def _channel(self, worker_id: str, req: _Request) -> WorkerChannel:
-        """The worker's open request channel, connecting (once, for every waiter) if needed."""
+        """The worker's open request channel, connecting if needed."""
         channel = self.channels.get(worker_id)
         if channel is not None and channel.open:
             return channel
+        timeout = min(self.config.status_timeout_s, max(0.001, req.deadline - time.monotonic()))
+        try:
+            return await self._open_channel(worker_id, timeout)
+        except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
+            self._mark_unhealthy(worker_id, f"request channel connect: {exc!r}")
+            raise WorkerFailure(f"{worker_id}: cannot open its request channel "
+                                f"({self.infos[worker_id]['request_endpoint']}): {exc!r}") from exc
+
+    async def _open_channel(self, worker_id: str, timeout_s: float) -> WorkerChannel:
+        """Connect (once, for every waiter). Its heartbeats make the worker healthy again."""
         lock = self._connecting.setdefault(worker_id, asyncio.Lock())
         async with lock:
             channel = self.channels.get(worker_id)
             if channel is not None and channel.open:
                 return channel
             info = self.infos[worker_id]
-            channel = WorkerChannel(worker_id, info["request_endpoint"], info["request_token"])
-            timeout = min(self.config.status_timeout_s, max(0.001, req.deadline - time.monotonic()))
-            try:
-                await channel.connect(timeout)
-            except (OSError, asyncio.TimeoutError, TimeoutError) as exc:
-                self._mark_unhealthy(worker_id, f"request channel connect: {exc!r}")
-                raise WorkerFailure(f"{worker_id}: cannot open its request channel "
-                                    f"({info['request_endpoint']}): {exc!r}") from exc
+            channel = WorkerChannel(worker_id, info["request_endpoint"], info["request_token"],
+                                    on_status=self._on_worker_status)
+            await channel.connect(timeout_s)
             self.channels[worker_id] = channel
             return channel
 
@@ -704,8 +759,8 @@ class Router(router_pb2_grpc.RouterServicer):
     def _wire(self, req: _Request, prompt: list[int], max_tokens: int, kind: str,
               forced: list[int]) -> dict[str, Any]:
         sampling = dict(req.sampling, max_tokens=max_tokens)
-        wire = {"request_id": next(self._attempt_ids), "prompt": prompt, "max_new_tokens": max_tokens,
-                "priority": req.spec.priority, "type": kind,
+        wire = {"request_id": next(self._attempt_ids), "client_id": req.external_id,
+                "prompt": prompt, "max_new_tokens": max_tokens, "priority": req.spec.priority, "type": kind,
                 "agent_hierarchy": list(req.spec.agent_hierarchy) or None, "sampling": sampling}
         if forced:
             wire["forced_tokens"] = list(forced)
@@ -718,6 +773,8 @@ class Router(router_pb2_grpc.RouterServicer):
             if self.metrics is not None:
                 self.metrics.observe_ttft(now - req.received)
         if info:
+            if "kv_transfer_blocks" in info:
+                req.kv_blocks = info["kv_transfer_blocks"]
             req.pauses += info.get("pauses", 0)
             req.kv_bytes += info.get("kv_transfer_bytes", 0)
             req.kv_seconds += info.get("kv_transfer_seconds", 0.0)
@@ -733,6 +790,7 @@ class Router(router_pb2_grpc.RouterServicer):
             return
         text += req.text.finish()
         self.totals["completed"] += 1
+        self._count_kv_path(self._kv_path(req))
         if self.metrics is not None:
             self.metrics.count_request("completed")
             self.metrics.observe_e2e(now - req.received)
@@ -745,6 +803,22 @@ class Router(router_pb2_grpc.RouterServicer):
                 req.attempts.remove(attempt)
                 self._abort_attempt(*attempt)
             raise _StopStringReached
+
+    @staticmethod
+    def _kv_path(req: _Request) -> str:
+        """For a completed request: prefilled on its generation worker; or the generation
+        worker received KV (0 blocks moved: its cache held the whole prompt); or it ended on
+        the context worker's token before any generation worker had its KV."""
+        if req.local_prefill:
+            return "local_prefill"
+        if req.kv_blocks is None:
+            return "context_finished"
+        return "transferred" if req.kv_blocks > 0 else "prefix_cached"
+
+    def _count_kv_path(self, path: str) -> None:
+        self.kv_paths[path] += 1
+        if self.metrics is not None:
+            self.metrics.count_kv_path(path)
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -767,6 +841,7 @@ class Router(router_pb2_grpc.RouterServicer):
 
     def _count_failed(self) -> None:
         self.totals["failed"] += 1
+        self._count_kv_path("failed")
         if self.metrics is not None:
             self.metrics.count_request("failed")
 
@@ -836,33 +911,71 @@ class Router(router_pb2_grpc.RouterServicer):
             await self.health.set(ROUTER_SERVICE_NAME, status)
             await self.health.set("", status)
 
+    def _on_worker_status(self, worker_id: str, s: dict[str, Any]) -> None:
+        """A heartbeat's status (on the router's loop, from the channel's reader): the load
+        view, the worker's violations and its events."""
+        self.statuses[worker_id] = s
+        self.violations[worker_id] = list(s.get("violations") or ())
+        events = s.get("events")
+        if events:
+            self.events.extend(events)
+        old = self.loads[worker_id]
+        self.loads[worker_id] = P.WorkerLoad(
+            worker_id, old.role, active_requests=s["num_active"] + s["queue_depth"],
+            queued_prompt_tokens=0, free_kv_blocks=s["free_blocks"], total_kv_blocks=s["total_blocks"],
+            max_batch_size=s["max_batch_size"], healthy=bool(s.get("healthy", True)),
+            cached_block_hashes=old.cached_block_hashes)
+
     async def refresh_loads(self) -> None:
-        async def one(worker_id: str) -> None:
-            handle = self.workers[worker_id]
+        """Liveness, not load (heartbeats bring the load): a worker whose channel is down is
+        reconnected in the background; one whose heartbeats stopped is unhealthy. Only the
+        prefix-cache policies still ask workers over Ray, for their advertised hashes."""
+        now = time.monotonic()
+        for worker_id in self.workers:
+            channel = self.channels.get(worker_id)
+            if channel is None or not channel.open:
+                task = self._reconnects.get(worker_id)
+                if task is None or task.done():
+                    self._reconnects[worker_id] = asyncio.create_task(
+                        self._reconnect(worker_id), name=f"pdserve-reconnect-{worker_id}")
+                continue
+            heard = channel.status_at if channel.status is not None else channel.connected_at
+            if now - heard > self.config.status_timeout_s:
+                self._mark_unhealthy(worker_id, f"no heartbeat status for {now - heard:.1f} s")
+        if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
+            await asyncio.gather(*(self._refresh_hashes(w) for w in self.workers))
+
+    async def _refresh_hashes(self, worker_id: str) -> None:
+        try:
+            hashes = frozenset(await asyncio.wait_for(
+                self.workers[worker_id].cached_block_hashes.remote(), self.config.status_timeout_s))
+        except Exception as exc:
+            log.warning("cached block hashes of %s: %r", worker_id, exc)
+            return
+        self.loads[worker_id] = dataclasses.replace(self.loads[worker_id], cached_block_hashes=hashes)
+
+    async def _reconnect(self, worker_id: str) -> None:
+        """Open the worker's channel again. When its endpoint no longer answers, ask Ray for
+        the worker's info: a new incarnation means Ray restarted it (new endpoint)."""
+        timeout = self.config.status_timeout_s
+        try:
             try:
-                s = await asyncio.wait_for(handle.status.remote(), self.config.status_timeout_s)
-                hashes = frozenset()
-                if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
-                    hashes = frozenset(await asyncio.wait_for(handle.cached_block_hashes.remote(),
-                                                              self.config.status_timeout_s))
-                if s.get("incarnation") != self.infos[worker_id].get("incarnation"):
-                    await self._rejoin(worker_id, handle)
-            except Exception as exc:
-                self._mark_unhealthy(worker_id, f"status refresh: {type(exc).__name__}")
+                await self._open_channel(worker_id, timeout)
                 return
-            self.violations[worker_id] = list(s.get("violations") or ())
-            old = self.loads[worker_id]
-            self.loads[worker_id] = P.WorkerLoad(
-                worker_id, old.role, active_requests=s["num_active"] + s["queue_depth"],
-                queued_prompt_tokens=0, free_kv_blocks=s["free_blocks"], total_kv_blocks=s["total_blocks"],
-                max_batch_size=s["max_batch_size"], healthy=bool(s.get("healthy", True)),
-                cached_block_hashes=hashes)
+            except (OSError, TimeoutError) as exc:
+                first = exc
+            info = await asyncio.wait_for(self.workers[worker_id].info.remote(), timeout)
+            if info.get("incarnation") == self.infos[worker_id].get("incarnation"):
+                raise first
+            self._rejoin(worker_id, info)
+            await self._open_channel(worker_id, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._mark_unhealthy(worker_id, f"reconnect: {exc!r}")
 
-        await asyncio.gather(*(one(w) for w in self.workers))
-
-    async def _rejoin(self, worker_id: str, handle) -> None:
+    def _rejoin(self, worker_id: str, info: dict[str, Any]) -> None:
         """A worker came back as a new process (Ray restarted it): take its new info."""
-        info = await asyncio.wait_for(handle.info.remote(), self.config.status_timeout_s)
         if info["role"] != self.infos[worker_id]["role"]:
             raise RuntimeError(f"{worker_id} came back with role {info['role']}")
         self.infos[worker_id] = info
@@ -884,6 +997,20 @@ class Router(router_pb2_grpc.RouterServicer):
         if self.metrics is not None:
             self.metrics.set_queue_depth(len(self.waiting))
             self.metrics.set_in_flight(self.inflight)
+
+
+_EVENT_KINDS = {"transfer": pb.ClusterEvent.TRANSFER, "pause": pb.ClusterEvent.PAUSE,
+                "resume": pb.ClusterEvent.RESUME}
+_EVENT_FIELDS = ("request_id", "worker_id", "ctx_worker_id", "gen_worker_id", "blocks", "bytes",
+                 "seconds", "outcome", "reason", "policy", "generated_tokens", "blocks_freed",
+                 "paused_seconds", "pause_index")
+
+
+def _event_proto(e: dict[str, Any]):
+    """A worker's event record (workers/events.py) as a ClusterEvent."""
+    return pb.ClusterEvent(kind=_EVENT_KINDS.get(e.get("kind"), pb.ClusterEvent.KIND_UNSPECIFIED),
+                           time_unix=e.get("t", 0.0),
+                           **{k: e[k] for k in _EVENT_FIELDS if e.get(k) is not None})
 
 
 def _sampling(spec: P.GenerateSpec) -> dict[str, Any]:

@@ -4,14 +4,18 @@ reader task that hands each update to the attempt it belongs to.
 
 A closed connection (the worker died, or the socket broke) ends every attempt on it at once with
 CLOSED, long before any timeout; the router then treats the worker as failed for those attempts.
+
+Heartbeats carry the worker's status; the newest is kept in ``status`` (with ``status_at``) and
+handed to ``on_status``, which is how the router learns loads and events without Ray calls.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.transport.channel_frames import frame_unpacker, pack_frame
 
@@ -25,15 +29,21 @@ class ChannelClosed(ConnectionError):
 
 
 CLOSED = object()  # put on an attempt's queue when the connection ends
+_status_ids = itertools.count(1)
 
 
 class WorkerChannel:
-    def __init__(self, worker_id: str, endpoint: str, token: str) -> None:
+    def __init__(self, worker_id: str, endpoint: str, token: str,
+                 on_status: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.token = token
+        self.on_status = on_status
         self.closed_reason: str | None = None
         self.last_heard = time.monotonic()  # any bytes from the worker (heartbeats included)
+        self.status: dict[str, Any] | None = None  # the newest heartbeat's status
+        self.status_at = 0.0  # time.monotonic() it arrived
+        self.connected_at = time.monotonic()
         self._attempts: dict[int, asyncio.Queue] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -50,7 +60,7 @@ class WorkerChannel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._writer = writer
-        self.last_heard = time.monotonic()
+        self.last_heard = self.connected_at = time.monotonic()
         writer.write(pack_frame({"op": "hello", "token": self.token}))
         self._reader_task = asyncio.create_task(self._read(reader),
                                                 name=f"pdserve-channel-{self.worker_id}")
@@ -68,6 +78,21 @@ class WorkerChannel:
 
     def generate(self, wire: dict[str, Any]) -> None:
         self._write({"op": "generate", "wire": wire})
+
+    async def fresh_status(self, timeout_s: float) -> dict[str, Any]:
+        """The worker's status as of its last step (asked now, answered between two steps);
+        raises TimeoutError, or ChannelClosed if the connection ends first."""
+        sid = -next(_status_ids)  # attempt ids are positive
+        q = self.attempt(sid)
+        try:
+            self._write({"op": "status", "id": sid})
+            async with asyncio.timeout(timeout_s):
+                frame = await q.get()
+            if frame is CLOSED:
+                raise ChannelClosed(self.closed_reason or "closed")
+            return frame["status"]
+        finally:
+            self.forget(sid)
 
     def abort(self, attempt_id: int) -> None:
         self._write({"op": "abort", "id": attempt_id})
@@ -95,7 +120,11 @@ class WorkerChannel:
                 self.last_heard = time.monotonic()
                 frames.feed(data)
                 for frame in frames:
-                    q = self._attempts.get(frame.get("id")) if isinstance(frame, dict) else None
+                    if not isinstance(frame, dict):
+                        continue
+                    if isinstance(frame.get("status"), dict):  # a heartbeat or a status answer
+                        self._on_heartbeat(frame["status"])
+                    q = self._attempts.get(frame.get("id"))
                     if q is not None:
                         q.put_nowait(frame)
         except asyncio.CancelledError:
@@ -104,6 +133,14 @@ class WorkerChannel:
             why = f"request channel failed: {exc!r}"
         finally:
             self._end(why)
+
+    def _on_heartbeat(self, status: dict[str, Any]) -> None:
+        self.status, self.status_at = status, time.monotonic()
+        if self.on_status is not None:
+            try:
+                self.on_status(self.worker_id, status)
+            except Exception:  # a bad status must not end the channel that carries requests
+                log.exception("status from %s could not be applied", self.worker_id)
 
     def _end(self, why: str) -> None:
         if self.closed_reason is not None:

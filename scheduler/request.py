@@ -119,6 +119,7 @@ class LlmRequest:
         "expected_snapshot_points",
         "arrival_seq",
         "block_key_cache",
+        "client_id",
     )
 
     def __init__(
@@ -136,6 +137,7 @@ class LlmRequest:
         llm_request_type: LlmRequestType = LlmRequestType.CONTEXT_AND_GENERATION,
         context_phase_params: ContextPhaseParams | None = None,
         expected_snapshot_points: Sequence[int] | None = None,
+        client_id: str | None = None,
     ) -> None:
         if beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {beam_width}")
@@ -178,6 +180,9 @@ class LlmRequest:
         self.arrival_seq = request_id
         # Owned by KVCacheManager: chained prefix block keys per (tokens_per_block, pool kind).
         self.block_key_cache: dict | None = None
+        # The id the client knows the request by (TensorRT-LLM's clientId): only for what a
+        # person reads (logs, dashboard entries); scheduling never looks at it.
+        self.client_id = client_id
 
     def __repr__(self) -> str:
         return (

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
 from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
 
+from . import events
 from .config import EngineConfig
 from .engine import build_executor
 from .request_channel import RequestChannelServer
@@ -46,6 +47,18 @@ UPDATE_WAIT_S = 600.0
 FATAL_EXIT_DELAY_S = 1.0  # lets the error updates reach the router before the process exits
 
 
+class KVTransferFailed(RuntimeError):
+    """Raised by ``kv_transfer`` when the send failed, so the dashboard shows the task FAILED
+    with the reason; ``payload`` is the encoded ``TransferDone`` the caller still needs."""
+
+    def __init__(self, message: str, payload: bytes = b"") -> None:
+        super().__init__(message, payload)  # both in args: the exception crosses processes
+        self.payload = payload
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def actor_name(worker_id: str) -> str:
     return f"pdserve-{worker_id}"
 
@@ -60,6 +73,7 @@ def request_from_wire(d: dict[str, Any]) -> tuple[LlmRequest, SamplingParams]:
         agent_hierarchy=d.get("agent_hierarchy"),
         llm_request_type=LlmRequestType[d.get("type", "CONTEXT_AND_GENERATION")],
         context_phase_params=ContextPhaseParams(**cpp) if cpp else None,
+        client_id=d.get("client_id"),
     )
     return request, SamplingParams(**d["sampling"])
 
@@ -108,6 +122,7 @@ class WorkerActorBase:
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
+        events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page
         self.worker_id = worker_id
         self.incarnation = time.time_ns()
         self.config = EngineConfig.from_kwargs(engine)
@@ -143,17 +158,19 @@ class WorkerActorBase:
         if metrics:
             from pdserve.cluster.metrics import WorkerMetrics
 
-            self.metrics = WorkerMetrics(self.role, worker_id)
+            self.metrics = WorkerMetrics(self.role, actor_name(worker_id))
         self.loop = WorkerLoop(self.executor, name=worker_id, send_control=self._send_control,
                                on_step=self._on_step, route_by_endpoint=True,
                                on_fatal=self._on_fatal)
         self.loop.add_tick_hook(self._slow_step)
+        self.loop.add_tick_hook(self._metrics_tick)
         self.loop.start()
         # The router's request data path (see request_channel.py); Ray's ``generate`` stays for
         # callers that hold only an actor handle.
         self.channel = RequestChannelServer(self.loop, self._from_wire, update_to_wire,
                                             host=_node_ip(), name=worker_id,
-                                            on_submit=self._on_channel_submit)
+                                            on_submit=self._on_channel_submit,
+                                            heartbeat_status=self._heartbeat_status)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, self.executor.kv.num_blocks,
                  self.config.tokens_per_block)
 
@@ -204,6 +221,28 @@ class WorkerActorBase:
                       incarnation=self.incarnation)
         return status
 
+    def _heartbeat_status(self) -> dict[str, Any]:
+        """On the loop thread, once per heartbeat: ``status()`` without the transfer records,
+        plus the cumulative token counts and the events since the previous heartbeat."""
+        ex = self.executor
+        status = ex.status()
+        transfers = status.get("transfers")
+        if transfers:
+            transfers.pop("records", None)
+        status.update(worker_id=self.worker_id, role=self.role, healthy=self.loop.alive,
+                      max_batch_size=self.config.max_batch_size,
+                      tokens_per_block=self.config.tokens_per_block, incarnation=self.incarnation,
+                      generated_tokens=ex.stats.generated_tokens,
+                      context_tokens=ex.stats.context_tokens,
+                      paused_requests=len(ex.paused_since),
+                      capacity_policy=self.config.capacity_scheduler_policy.name,
+                      events=ex.events.drain())
+        return status
+
+    def __repr__(self) -> str:
+        # The dashboard's Actors page shows this as the actor's Repr.
+        return f"{type(self).__name__}({self.worker_id})"
+
     def request_states(self) -> dict[int, str]:
         """Every live request's state (see Executor.request_states), keyed by request id."""
         return self.loop.call(self.executor.request_states)  # type: ignore[return-value]
@@ -239,15 +278,37 @@ class WorkerActorBase:
 
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
         """Runs in the "transfer" concurrency group: returns when the bytes have landed.
-        ``endpoint``: the KV endpoint the sender meant; another incarnation's is refused."""
-        own = self.executor.transceiver.endpoint
-        if endpoint is not None and endpoint != own:
-            msg = decode_message(payload)
-            if isinstance(msg, KVRequest):
-                return encode_message(TransferDone(msg.transfer_id, msg.ctx_request_id, False,
-                                                   ENDPOINT_GONE + endpoint, 0, 0.0))
-            return None  # a cancel for a previous incarnation: nothing of it is left here
-        return self.loop.handle_kv_control(payload)
+        ``endpoint``: the KV endpoint the sender meant; another incarnation's is refused.
+
+        Each call is one row of the dashboard's task table, named by the generation worker
+        (``events.transfer_task_name``). A send that fails raises ``KVTransferFailed`` so the
+        row shows FAILED with the reason; the line logged here (the row's "Log" link) gives
+        the measured duration and GB/s."""
+        msg = decode_message(payload)
+        if not isinstance(msg, KVRequest):
+            if endpoint is not None and endpoint != self.executor.transceiver.endpoint:
+                return None  # a cancel for a previous incarnation: nothing of it is left here
+            return self.loop.handle_kv_control(payload)
+        held = self.executor.transceiver.transmitting.get(msg.ctx_request_id)  # a dict read
+        client = events.label(msg.ctx_request_id, held.client_id if held is not None else None)
+        if endpoint is not None and endpoint != self.executor.transceiver.endpoint:
+            reply = encode_message(TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                                ENDPOINT_GONE + endpoint, 0, 0.0))
+        else:
+            reply = self.loop.handle_kv_control(payload)
+        done = decode_message(reply) if reply else None
+        planned = msg.num_blocks * msg.bytes_per_block
+        if isinstance(done, TransferDone) and done.ok:
+            events.log.info("%s", events.transfer_line(
+                "send", client, self.worker_id, msg.gen_worker_id, msg.num_blocks, done.nbytes,
+                done.seconds, "SENT"))
+            return reply
+        reason = done.reason if isinstance(done, TransferDone) else "no answer from the send"
+        events.log.info("%s", events.transfer_line(
+            "send", client, self.worker_id, msg.gen_worker_id, msg.num_blocks, planned,
+            done.seconds if isinstance(done, TransferDone) else 0.0, "FAILED", reason))
+        raise KVTransferFailed(f"KV transfer of req={client} to {msg.gen_worker_id} failed: "
+                               f"{reason}", reply or b"")
 
     def ping(self) -> str:
         return "pong"
@@ -258,26 +319,31 @@ class WorkerActorBase:
 
     # ------------------------------------------------------------------ internals
 
-    def _send_control(self, ctx_worker_id: str, payload: bytes, endpoint: str):
+    def _send_control(self, ctx_worker_id: str, payload: bytes, endpoint: str, task_name: str):
         """On the loop thread, in outbox order: submit the control message as a ``kv_transfer``
-        call (a Ray call from one thread starts on the actor in submission order) and return
-        the wait for its reply, which a control-pool thread runs."""
+        call named ``task_name`` (the dashboard's task table shows the name; a Ray call from
+        one thread starts on the actor in submission order) and return the wait for its
+        reply, which a control-pool thread runs."""
         import ray
 
         handle = self._ctx_handles.get(ctx_worker_id)
         if handle is None:
             handle = ray.get_actor(actor_name(ctx_worker_id), namespace=NAMESPACE)
             self._ctx_handles[ctx_worker_id] = handle
-        ref = handle.kv_transfer.remote(payload, endpoint)
+        ref = handle.kv_transfer.options(name=task_name).remote(payload, endpoint)
         return lambda: self._await_control(ctx_worker_id, ref, endpoint)
 
     def _await_control(self, ctx_worker_id: str, ref, endpoint: str) -> bytes | None:
         import ray
-        from ray.exceptions import ActorDiedError
+        from ray.exceptions import ActorDiedError, RayTaskError
 
         receiver = self.executor.transceiver.receiver
         try:
             reply = ray.get(ref, timeout=self.transfer_timeout_s + 15.0)
+        except RayTaskError as err:
+            if not isinstance(err.cause, KVTransferFailed):
+                raise
+            reply = err.cause.payload or None  # the send's own TransferDone, with its reason
         except ActorDiedError:  # dead for good (no restarts left): so is its endpoint
             self._ctx_handles.pop(ctx_worker_id, None)
             receiver.mark_gone(endpoint)
@@ -321,6 +387,12 @@ class WorkerActorBase:
     def _on_step(self, updates) -> None:
         if self.metrics is not None:
             self.metrics.observe(self.executor)
+
+    def _metrics_tick(self) -> None:
+        """Every loop turn, idle included: re-sets the gauges when due (Ray drops a gauge that
+        is not re-set; see cluster/metrics.py)."""
+        if self.metrics is not None:
+            self.metrics.tick(self.executor)
 
     def _on_fatal(self, exc: BaseException) -> None:
         """The step loop died: exit, so Ray restarts this worker with a fresh state."""

@@ -37,6 +37,7 @@ from .config import EngineConfig
 from .kv_pool import KVPool
 from .model.batch import SeqBatchInfo
 from .sampling import RequestSampler, SamplingParams, sample
+from .events import WorkerEvents, label
 from .transceiver import KVTransceiver
 
 log = logging.getLogger("pdserve.executor")
@@ -97,6 +98,7 @@ class Executor:
         max_seq_len: int,
         transceiver: KVTransceiver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        worker_id: str = "engine",
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -144,10 +146,16 @@ class Executor:
         self.active: list[LlmRequest] = []
         self.tracked: dict[int, _Tracked] = {}
         self.stats = ExecutorStats()
+        # Transfers, pauses and resumes for people (log lines, dashboard, pdserve top).
+        self.events = WorkerEvents(transceiver.worker_id if transceiver is not None else worker_id)
         self.transceiver = transceiver
+        if transceiver is not None and transceiver.events is None:
+            transceiver.events = self.events
         self._device = kv_pool.device
         self._clock = clock
         self._num_deadlines = 0  # tracked requests that have a deadline
+        # Paused requests not yet prefilled again: id -> time.monotonic() of the pause.
+        self.paused_since: dict[int, float] = {}
 
     # ------------------------------------------------------------------ admission
 
@@ -244,6 +252,7 @@ class Executor:
         return out
 
     def _untrack(self, request_id: int) -> _Tracked | None:
+        self.paused_since.pop(request_id, None)
         tracked = self.tracked.pop(request_id, None)
         if tracked is not None and tracked.deadline is not None:
             self._num_deadlines -= 1
@@ -295,6 +304,8 @@ class Executor:
             self.transceiver.start_receive(request, self.kv,
                                            timeout_s=self._time_left(request.request_id))
 
+        if self.paused_since:
+            self._note_resumed(out.context_requests)
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
         for request in out.generation_requests:
@@ -378,14 +389,30 @@ class Executor:
         return updates
 
     def _pause(self, paused: list[LlmRequest]) -> None:
+        if not paused:
+            return
+        policy = self.config.capacity_scheduler_policy.name
+        now = time.monotonic()
         for request in paused:
-            log.info(
-                "pause request %d: %d tokens folded into the prompt, KV freed (%d free blocks)",
-                request.request_id, request.get_max_num_generated_tokens(), self.kv.get_num_free_blocks(),
-            )
+            rid = request.request_id
+            blocks = len(self.kv.get_block_ids(rid)) if self.kv.has_sequence(rid) else 0
+            self.events.pause(client=label(rid, request.client_id), policy=policy,
+                              generated_tokens=request.get_num_tokens(0) - request.orig_prompt_len,
+                              blocks_freed=blocks, pause_index=request.num_pauses + 1)
+            self.paused_since[rid] = now
         lifecycle.pause_requests(paused, self.kv, self.max_input_len)
         self.stats.pauses += len(paused)
         self.stats.paused_request_ids.extend(r.request_id for r in paused)
+
+    def _note_resumed(self, scheduled_contexts: list[LlmRequest]) -> None:
+        """A paused request resumes when its recompute's first chunk is scheduled."""
+        now = time.monotonic()
+        for request in scheduled_contexts:
+            since = self.paused_since.pop(request.request_id, None)
+            if since is not None:
+                self.events.resume(client=label(request.request_id, request.client_id),
+                                   paused_seconds=now - since, pause_index=request.num_pauses,
+                                   prefill_tokens=request.prompt_len)
 
     def _forward_and_sample(
         self, contexts: list[tuple[LlmRequest, int]], generation: list[LlmRequest]
@@ -453,6 +480,12 @@ class Executor:
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
             return RequestUpdate(request.request_id, new, True, "length", params, None, info)
         if reason is None:
+            received = self.transceiver.received if self.transceiver is not None else None
+            if received and request.request_id in received:
+                # The first decode after a receive tells the router how the KV arrived; the
+                # finishing update then reports 0 bytes more (the router adds them up).
+                return RequestUpdate(request.request_id, new, False, None, None, None,
+                                     self._transfer_info(request))
             return RequestUpdate(request.request_id, new, False, None)
         tracked.finish_reason = reason
         self.active.remove(request)
@@ -463,11 +496,22 @@ class Executor:
         return RequestUpdate(request.request_id, new, True, reason, None, None, info)
 
     def _request_info(self, request: LlmRequest) -> dict:
-        nbytes, seconds = 0, 0.0
-        if self.transceiver is not None:
-            nbytes, seconds = self.transceiver.received.pop(request.request_id, (0, 0.0))
-        return {"pauses": request.num_pauses, "kv_transfer_bytes": nbytes,
-                "kv_transfer_seconds": seconds, "cached_tokens": request.prepopulated_prompt_len}
+        info = self._transfer_info(request)
+        info.update(pauses=request.num_pauses, cached_tokens=request.prepopulated_prompt_len)
+        return info
+
+    def _transfer_info(self, request: LlmRequest) -> dict:
+        """What this request's receive moved, reported once (popped). ``kv_transfer_blocks`` is
+        present only for a generation-only request whose receive completed: 0 blocks means its
+        generation worker's cache already held the whole prompt."""
+        if self.transceiver is None:
+            return {"kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
+        got = self.transceiver.received.pop(request.request_id, None)
+        if got is None:
+            return {"kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
+        nbytes, seconds, blocks = got
+        return {"kv_transfer_bytes": nbytes, "kv_transfer_seconds": seconds,
+                "kv_transfer_blocks": blocks}
 
 
 def _count(items) -> dict[str, int]:

@@ -11,14 +11,19 @@ Frames (msgpack maps; the stream carries them back to back, ``msgpack.Unpacker``
   router -> worker  {"op": "hello", "token": T}          first frame; a wrong token closes it
                     {"op": "generate", "wire": {...}}    the request as ``request_from_wire`` reads it
                     {"op": "abort", "id": N}
+                    {"op": "status", "id": S}            answered with a status between two steps
   worker -> router  {"id": N, "u": {...}}                one update (``update_to_wire``)
                     {"id": N, "rejected": "why"}         the request itself is invalid (ValueError)
                     {"id": N, "error": "why"}            the worker could not take it
-                    {"hb": 1}                            heartbeat, every HEARTBEAT_S
+                    {"id": S, "status": {...}}           the answer to a status op
+                    {"hb": 1, "status": {...}}           heartbeat, every HEARTBEAT_S
 
 Heartbeats are written by the step loop's thread, so they prove the loop itself is alive: the
 router can then wait as long as a request's deadline allows for a request that is only queued
-(a generation request waiting for KV, say) and still notice a worker that hangs.
+(a generation request waiting for KV, say) and still notice a worker that hangs. Each carries
+the worker's status (load, KV blocks, counters, invariant checks) and the transfer, pause and
+resume events since the previous one: the router's load view, health and GetClusterStatus come
+from here, not from Ray calls, so the dashboard's task table is not flooded with status polls.
 
 Ownership: a request belongs to the connection that brought it. When that connection ends
 (router gone, socket broken), every request it still owns is aborted, so nothing runs unowned.
@@ -44,7 +49,7 @@ from .worker_loop import WorkerLoop
 log = logging.getLogger("pdserve.request_channel")
 
 HELLO_TIMEOUT_S = 5.0  # a connection must say hello this soon
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5  # also the age of the router's load view of this worker
 WRITE_TIMEOUT_S = 10.0  # a router that reads nothing for this long is treated as gone
 READ_BYTES = 1 << 16
 
@@ -116,12 +121,14 @@ class RequestChannelServer:
 
     def __init__(self, loop: WorkerLoop, from_wire: FromWire, to_wire: ToWire, *,
                  host: str = "127.0.0.1", name: str = "worker",
-                 on_submit: Callable[[Any], None] | None = None) -> None:
+                 on_submit: Callable[[Any], None] | None = None,
+                 heartbeat_status: Callable[[], dict[str, Any]] | None = None) -> None:
         self.loop = loop
         self.from_wire = from_wire
         self.to_wire = to_wire
         self.name = name
         self.on_submit = on_submit  # e.g. advertise the prompt's cached blocks
+        self.heartbeat_status = heartbeat_status  # on the loop thread, once per heartbeat
         self.token = secrets.token_hex(16)  # handed out over Ray (authenticated), checked on hello
         self._listener = socket.create_server((host, 0))
         self.endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -214,6 +221,10 @@ class RequestChannelServer:
             rid = frame.get("id")
             if isinstance(rid, int):
                 self._post(lambda: self.loop.abort_now(rid))
+        elif op == "status":
+            sid = frame.get("id")
+            if isinstance(sid, int) and self.heartbeat_status is not None:
+                self._post(lambda: self._answer_status(conn, sid))
         else:
             raise ValueError(f"unknown request channel frame {frame!r:.200}")
 
@@ -248,6 +259,11 @@ class RequestChannelServer:
         if self.on_submit is not None:
             self.on_submit(request)
 
+    def _answer_status(self, conn: _Connection, sid: int) -> None:
+        """On the loop thread, between steps: a status as fresh as the last step."""
+        conn.queue({"id": sid, "status": self.heartbeat_status()})
+        conn.flush()
+
     def _post(self, fn: Callable[[], object]) -> None:
         try:
             self.loop.post(fn)
@@ -261,8 +277,13 @@ class RequestChannelServer:
         self._next_heartbeat = now + HEARTBEAT_S
         with self._lock:
             conns = list(self._connections)
+        if not conns:
+            return
+        frame: dict[str, Any] = {"hb": 1}
+        if self.heartbeat_status is not None:
+            frame["status"] = self.heartbeat_status()
         for conn in conns:
-            conn.queue({"hb": 1})
+            conn.queue(frame)
         self._flush_all()
 
     def _flush_all(self) -> None:

@@ -65,6 +65,7 @@ def request_from_dict(d: dict[str, Any]) -> LlmRequest:
         priority=d.get("priority", 0.5),
         llm_request_type=LlmRequestType[d.get("type", "CONTEXT_AND_GENERATION")],
         context_phase_params=ContextPhaseParams(**cpp) if cpp else None,
+        client_id=d.get("client_id"),
     )
 
 

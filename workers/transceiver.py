@@ -26,11 +26,22 @@ from typing import TYPE_CHECKING, NamedTuple
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, lifecycle
 from pdserve.transport.protocol import encode_message
 
+from .events import WorkerEvents, label, transfer_task_name
+
 if TYPE_CHECKING:
     from pdserve.transport.torch_dist import KVReceiver, KVSender
 
 log = logging.getLogger("pdserve.transceiver")
 S = LlmRequestState
+
+
+class ControlMessage(NamedTuple):
+    """A KV control message for the driver to deliver to a context worker."""
+
+    ctx_worker_id: str
+    payload: bytes  # encoded KVRequest or CancelTransfer
+    endpoint: str  # the context worker's KV endpoint it is meant for
+    task_name: str  # what the dashboard calls the call that carries it
 
 
 class TransferRecord(NamedTuple):
@@ -75,11 +86,16 @@ class KVTransceiver:
         self.transmitting: dict[int, LlmRequest] = {}
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
         self.draining: dict[int, LlmRequest] = {}
-        # Generation side: request id -> (bytes, seconds) of its completed receive, until finish.
-        self.received: dict[int, tuple[int, float]] = {}
-        # (ctx worker id, encoded control message, the ctx endpoint it is meant for) for the
-        # driver to deliver; replies come back through ``deliver_reply`` from any thread.
-        self.outbox: queue.SimpleQueue[tuple[str, bytes, str]] = queue.SimpleQueue()
+        # Generation side: request id -> (bytes, seconds, blocks moved) of its completed
+        # receive, until the executor reports it.
+        self.received: dict[int, tuple[int, float, int]] = {}
+        # Generation side: request id -> (client label, ctx worker id, blocks asked for, bytes)
+        # of each receive in flight, for its event when it ends.
+        self._receiving: dict[int, tuple[str, str, int, int]] = {}
+        # Control messages for the driver to deliver; replies come back through
+        # ``deliver_reply`` from any thread.
+        self.outbox: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
+        self.events: WorkerEvents | None = None  # the executor sets its own
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ context side
@@ -135,8 +151,16 @@ class KVTransceiver:
             num_cached_blocks=cached_blocks,
             timeout_s=timeout,
         )
+        client = label(request.request_id, request.client_id)
+        moved = len(kv.get_block_ids(request.request_id)) - cached_blocks
+        nbytes = moved * self.receiver.layout.bytes_per_block
+        self._receiving[request.request_id] = (client, params.ctx_worker_id, moved, nbytes)
         if kv_request is not None:
-            self.outbox.put((params.ctx_worker_id, encode_message(kv_request), endpoint))
+            name = transfer_task_name(client, params.ctx_worker_id, self.worker_id,
+                                      kv_request.num_blocks,
+                                      kv_request.num_blocks * kv_request.bytes_per_block)
+            self.outbox.put(ControlMessage(params.ctx_worker_id, encode_message(kv_request),
+                                           endpoint, name))
 
     def deliver_reply(self, payload: bytes | None) -> None:
         """Thread-safe: the context worker's answer to a KV request."""
@@ -169,6 +193,7 @@ class KVTransceiver:
         by_id = {r.request_id: r for r in active}
         for result in results:
             self._record(result, "recv")
+            moved = self._transfer_event(result)
             request = by_id.get(result.request_id)
             drained = self.draining.pop(result.request_id, None)
             if drained is not None:  # aborted while receiving: the blocks are quiet now
@@ -178,7 +203,7 @@ class KVTransceiver:
                 continue
             if result.ok:
                 request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
-                self.received[request.request_id] = (result.nbytes, result.seconds)
+                self.received[request.request_id] = (result.nbytes, result.seconds, moved)
                 if kv.enable_block_reuse:
                     # The received prompt blocks serve later requests' prefixes too.
                     kv.store_context_blocks(request)
@@ -198,8 +223,10 @@ class KVTransceiver:
             cancel = self.receiver.cancel(rid, "aborted")
             if cancel is not None:
                 params = request.context_phase_params
-                self.outbox.put((params.ctx_worker_id, encode_message(cancel),
-                                 params.opaque_state.decode()))
+                name = (f"kv_transfer cancel req={label(rid, request.client_id)} "
+                        f"{params.ctx_worker_id}->{self.worker_id}")
+                self.outbox.put(ControlMessage(params.ctx_worker_id, encode_message(cancel),
+                                               params.opaque_state.decode(), name))
             self.draining[rid] = request
             return True
         return False
@@ -242,6 +269,19 @@ class KVTransceiver:
             log.warning("request %d: lease expired before a generation worker claimed its KV; "
                         "%d blocks freed", result.request_id, len(result.block_ids))
         lifecycle.finish_request(request, kv, state)
+
+    def _transfer_event(self, result) -> int:
+        """Record the ended receive; returns the blocks it was to move."""
+        started = self._receiving.pop(result.request_id, None)
+        if started is None:
+            return 0
+        client, ctx_worker_id, moved, planned_bytes = started
+        if self.events is not None:
+            self.events.transfer(client=client, ctx_worker_id=ctx_worker_id, blocks=moved,
+                                 nbytes=result.nbytes if result.ok else planned_bytes,
+                                 seconds=result.seconds, outcome=result.state.name,
+                                 reason="" if result.ok else result.reason)
+        return moved
 
     def _record(self, result, side: str) -> None:
         s = self.stats

@@ -30,7 +30,7 @@ from .sampling import SamplingParams
 log = logging.getLogger("pdserve.worker_loop")
 
 Deliver = Callable[..., "bytes | None"]
-SendControl = Callable[[str, bytes, str], Callable[[], "bytes | None"]]
+SendControl = Callable[[str, bytes, str, str], Callable[[], "bytes | None"]]
 MAX_TOMBSTONES = 10_000  # aborted ids that were unknown when the abort came (bounded memory)
 
 
@@ -298,14 +298,14 @@ class WorkerLoop:
             return
         while True:
             try:
-                ctx_worker_id, payload, endpoint = transceiver.outbox.get_nowait()
+                ctx_worker_id, payload, endpoint, task_name = transceiver.outbox.get_nowait()
             except queue.Empty:
                 return
             if self.send_control is None:
                 self._control.submit(self._deliver_one, ctx_worker_id, payload, endpoint)
                 continue
             try:
-                wait = self.send_control(ctx_worker_id, payload, endpoint)
+                wait = self.send_control(ctx_worker_id, payload, endpoint, task_name)
             except Exception as exc:
                 self._control_failed(ctx_worker_id, payload, exc)
             else:
