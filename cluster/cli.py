@@ -16,6 +16,7 @@ commands:
   launch             start (or join) a Ray cluster and serve gRPC: context + generation workers, router
   generate           send one request to a running router and stream the answer
   status             print the cluster status (per worker: requests, KV blocks, transfers, pauses)
+  top                live view of a running cluster: KV, requests, tokens/s, transfers, pauses, events
   shutdown           kill pdserve's own actors on a Ray cluster (never the cluster itself)
   demo               the main job on an embedded cluster: a trace burst over gRPC, then a summary
   demo-scheduler     replay the Azure trace through the schedulers on a simulated worker
@@ -121,14 +122,20 @@ def _launch(argv: list[str]) -> int:
     print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "http": http, "workers": sorted(cluster.workers),
                       "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir),
                       "ray_address": ray.get_runtime_context().gcs_address}), flush=True)
+    url = dashboard or _dashboard_url()
+    if url:
+        from pdserve.cluster.demo import dashboard_guide
+
+        print(dashboard_guide(url if url.startswith("http") else f"http://{url}"), file=sys.stderr,
+              flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         while not stop["now"]:
             time.sleep(1.0)
-            try:  # `pdserve shutdown` from elsewhere kills the router: leave with it
-                ray.get(cluster.router.port.remote(), timeout=30)
-            except Exception:
+            # `pdserve shutdown` from elsewhere kills the router: leave with it. Asked over
+            # gRPC health, not a Ray call, so the dashboard's task table stays quiet.
+            if not _router_alive(f"{cfg.router.host}:{cluster.port}"):
                 # ... after a moment, so the driver that killed it disconnects before this
                 # process stops the Ray cluster it started under that driver's feet.
                 time.sleep(SHUTDOWN_GRACE_S)
@@ -139,6 +146,22 @@ def _launch(argv: list[str]) -> int:
     if owns_ray:
         ray.shutdown()
     return 0
+
+
+def _router_alive(address: str, attempts: int = 3) -> bool:
+    """False once the router's gRPC port refuses or fails ``attempts`` health checks in a row
+    (a busy router is slow, not gone: each check waits up to 10 s)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for _ in range(attempts):
+        try:
+            with grpc.insecure_channel(address) as channel:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            return True
+        except grpc.RpcError:
+            time.sleep(0.2)
+    return False
 
 
 def _dashboard_url() -> str | None:
@@ -194,39 +217,43 @@ def _generate(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve status")
+    parser = argparse.ArgumentParser(
+        prog="pdserve status",
+        description="Print the cluster status: per worker (role, health, KV blocks, requests, pauses, "
+                    "KV transfers, quarantined blocks, invariant violations) and the router's totals "
+                    "with the KV paths. Fits 80 columns. `pdserve top` is the live view.")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true",
+                        help="write the ClusterStatus as JSON instead: MessageToDict's field names (the "
+                             "proto's JSON names, camelCase: workerId, freeKvBlocks, totals.kvPaths, "
+                             "recentEvents), enums by name, every field present even when zero, and "
+                             "every number (64-bit counters included) a JSON number")
     args = parser.parse_args(argv)
 
-    from google.protobuf.json_format import MessageToDict
+    import grpc
     from rich.console import Console
-    from rich.table import Table
 
     from pdserve.cluster.client import Client
+    from pdserve.cluster.top import render_status, status_to_dict
 
     with Client(f"{args.host}:{args.port}") as client:
-        status = client.status()
+        try:
+            status = client.status()
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
     if args.json:
-        print(json.dumps(MessageToDict(status), indent=2))
+        print(json.dumps(status_to_dict(status), indent=2))
         return 0
-    table = Table(title=f"pdserve cluster at {args.host}:{args.port}")
-    for col in ("worker", "role", "healthy", "requests by state", "KV free/total", "queue",
-                "pauses", "transfers", "bytes", "quarantined", "violations"):
-        table.add_column(col)
-    for w in status.workers:
-        states = ", ".join(f"{k}={v}" for k, v in sorted(w.requests_by_state.items())) or "-"
-        table.add_row(w.worker_id, "context" if w.role == 1 else "generation", str(w.healthy), states,
-                      f"{w.free_kv_blocks}/{w.total_kv_blocks}", str(w.queue_depth), str(w.pauses),
-                      str(w.transfers.count), str(w.transfers.bytes), str(w.quarantined_blocks),
-                      "; ".join(w.invariant_violations) or "-")
-    Console().print(table)
-    t = status.totals
-    print(f"router: queue={status.router_queue_depth} in_flight={t.in_flight} received={t.received} "
-          f"completed={t.completed} failed={t.failed} aborted={t.aborted} rejected={t.rejected} "
-          f"retries={t.retries}")
+    Console().print(render_status(status, address=f"{args.host}:{args.port}"))
     return 0
+
+
+def _top(argv: list[str]) -> int:
+    from pdserve.cluster.top import main
+
+    return main(argv)
 
 
 def _shutdown(argv: list[str]) -> int:
@@ -288,6 +315,7 @@ COMMANDS = {
     "launch": _launch,
     "generate": _generate,
     "status": _status,
+    "top": _top,
     "shutdown": _shutdown,
     "demo": _demo,
     "demo-scheduler": _demo_scheduler,
