@@ -20,6 +20,24 @@ DEMO_GEN_ENGINE = dict(capacity_scheduler_policy="MAX_UTILIZATION", num_kv_block
 DEMO_CTX_ENGINE = dict(capacity_scheduler_policy="GUARANTEED_NO_EVICT", num_kv_blocks=256)
 
 
+def dashboard_guide(url: str) -> str:
+    """Where a person finds KV transfers and pauses on the Ray dashboard (clicked through in
+    Ray 2.60's dashboard with headless Chromium; docs/design.md, "Observability")."""
+    return "\n".join([
+        f"Ray dashboard: {url}",
+        "  Log in: paste the token that `ray get-auth-token` prints.",
+        "  KV transfers: Jobs -> the job -> Task Table (open the section). One row per",
+        "    transfer, `kv_transfer req=<id> ctx-0->gen-0 blocks=N bytes=B`, with state",
+        "    (a FAILED row carries the reason) and duration; the row's Log link shows",
+        "    the measured time and GB/s.",
+        "  Pauses: Jobs -> the job -> Actor Table -> pdserve-gen-0 -> Log: a `PAUSE",
+        "    req=<id>` line per pause (policy, tokens generated, blocks freed) and a",
+        "    `RESUME` line when it runs again (Keyword filter: PAUSE); each transfer's",
+        "    `KV receive` line is there too.",
+        "  In a terminal: pdserve top (live), pdserve status",
+    ])
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -128,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("KV bytes moved (sum of per-transfer times)", f"{kv_bytes / 1e6:.2f} MB in {kv_ms:.0f} ms "
                   f"({(kv_bytes / 1e9) / (kv_ms / 1e3) if kv_ms else 0:.2f} GB/s)")
     table.add_row("pauses (MAX_UTILIZATION, generation pool)", str(sum(r["timings"].pauses for r in ok)))
+    paths = status.totals.kv_paths
+    table.add_row("how the KV reached the generation worker",
+                  f"{paths.transferred} transferred, {paths.local_prefill} local prefill, "
+                  f"{paths.prefix_cached} prefix-cached, {paths.context_finished} ended on ctx, "
+                  f"{paths.failed} failed")
     agent_ttft = [r["timings"].ttft_ms for r in ok if r["agent"]]
     chat_ttft = [r["timings"].ttft_ms for r in ok if not r["agent"]]
     if agent_ttft and chat_ttft:
@@ -141,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         if "error" in r:
             console.print(f"[red]request {r['id']}: {r['error']}[/red]")
-    console.print(f"Ray dashboard: http://{dashboard}  (actors pdserve-router, pdserve-ctx-0, pdserve-gen-0; "
-                  f"KV transfers are kv_transfer tasks)")
+    if dashboard:
+        print(dashboard_guide(f"http://{dashboard}"), flush=True)
     try:
         if args.keep_alive:
             console.print("--keep-alive: the cluster stays up; Ctrl-C ends it. Try:\n"

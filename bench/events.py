@@ -1,0 +1,138 @@
+"""What making transfers and pauses visible costs a worker's step loop.
+
+A pause-heavy workload (MAX_UTILIZATION, a KV pool that holds a fraction of the batch) runs
+through the real executor with the built-in tiny model. The executor's ``WorkerEvents`` is
+replaced by one that times each of its calls (the log line to a file, as a worker actor writes
+to its stderr, plus the record for the router), and once per 0.5 s of work the worker's
+heartbeat status is built and msgpack-encoded as the request channel does. Printed:
+
+- events per step, and microseconds per event (pause, resume);
+- microseconds per heartbeat status, and that cost spread over the steps of 0.5 s;
+- the added time as a share of the mean step time.
+
+Transfer events cost the same as a pause line on the generation side; the kv_transfer task's
+name is built once per transfer (a format call) and is measured with the rest of the Ray call
+in bench/transfer.py. Run: ``python bench/events.py [--requests N] [--json FILE]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+
+    import msgpack
+
+    from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+    from pdserve.cluster.launch import builtin_model_dir
+    from pdserve.workers import events as E
+    from pdserve.workers.config import EngineConfig
+    from pdserve.workers.engine import build_executor
+    from pdserve.workers.sampling import SamplingParams
+    from pdserve.scheduler import LlmRequest
+
+    class TimedEvents(E.WorkerEvents):
+        def __init__(self, worker_id: str) -> None:
+            super().__init__(worker_id)
+            self.seconds: dict[str, float] = {}
+            self.calls: dict[str, int] = {}
+
+        def _timed(self, kind: str, fn, **kw) -> None:
+            t0 = time.perf_counter()
+            fn(**kw)
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
+            self.calls[kind] = self.calls.get(kind, 0) + 1
+
+        def pause(self, **kw) -> None:
+            self._timed("pause", super().pause, **kw)
+
+        def resume(self, **kw) -> None:
+            self._timed("resume", super().resume, **kw)
+
+        def transfer(self, **kw) -> None:
+            self._timed("transfer", super().transfer, **kw)
+
+    # The log line goes to a file, as a worker actor's stderr does.
+    sink = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    handler = logging.StreamHandler(sink)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    E.log.addHandler(handler)
+    E.log.setLevel(logging.INFO)
+    E.log.propagate = False
+
+    config = EngineConfig.from_kwargs(dict(
+        tokens_per_block=16, max_batch_size=32, max_num_tokens=1024, num_kv_blocks=48,
+        capacity_scheduler_policy="MAX_UTILIZATION",
+        context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64))
+    _, executor = build_executor(builtin_model_dir(), config)
+    executor.events = TimedEvents("gen-0")
+
+    rows = load_trace("azure_llm_2023_conv.csv", args.requests)
+    scale = fit_scale(rows, 160, args.max_tokens)
+    for i, row in enumerate(rows):
+        request = LlmRequest(i + 1, synth_prompt(row, i, scale, vocab=(3, 259)), args.max_tokens,
+                             client_id=f"bench-{i}")
+        executor.add_request(request, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                                                     ignore_eos=True))
+
+    steps, step_seconds, status_seconds, statuses = 0, 0.0, 0.0, 0
+    next_status = time.monotonic()
+    while executor.has_work:
+        t0 = time.perf_counter()
+        executor.step()
+        step_seconds += time.perf_counter() - t0
+        steps += 1
+        if time.monotonic() >= next_status:  # the heartbeat's share, every 0.5 s of work
+            next_status = time.monotonic() + 0.5
+            t0 = time.perf_counter()
+            status = executor.status()
+            status["transfers"] = None
+            status["events"] = executor.events.drain()
+            msgpack.packb(status, use_bin_type=True)
+            status_seconds += time.perf_counter() - t0
+            statuses += 1
+    sink.close()
+    os.unlink(sink.name)
+
+    ev: TimedEvents = executor.events
+    events = sum(ev.calls.values())
+    event_seconds = sum(ev.seconds.values())
+    mean_step = step_seconds / max(1, steps)
+    figures = {
+        "requests": args.requests, "steps": steps, "mean_step_ms": 1e3 * mean_step,
+        "pauses": ev.calls.get("pause", 0), "resumes": ev.calls.get("resume", 0),
+        "events_per_step": events / max(1, steps),
+        "us_per_pause": 1e6 * ev.seconds.get("pause", 0.0) / max(1, ev.calls.get("pause", 0)),
+        "us_per_resume": 1e6 * ev.seconds.get("resume", 0.0) / max(1, ev.calls.get("resume", 0)),
+        "event_us_per_step": 1e6 * event_seconds / max(1, steps),
+        "us_per_heartbeat_status": 1e6 * status_seconds / max(1, statuses),
+        "heartbeat_us_per_step": 1e6 * status_seconds / max(1, steps),
+    }
+    figures["overhead_share_of_step"] = (
+        (figures["event_us_per_step"] + figures["heartbeat_us_per_step"]) / 1e6 / mean_step)
+    print(f"pause-heavy run: {args.requests} requests, {steps} steps, mean step "
+          f"{figures['mean_step_ms']:.2f} ms, {figures['pauses']} pauses, {figures['resumes']} resumes")
+    print(f"events: {figures['events_per_step']:.3f} per step; {figures['us_per_pause']:.1f} us per "
+          f"pause, {figures['us_per_resume']:.1f} us per resume; {figures['event_us_per_step']:.2f} "
+          "us per step")
+    print(f"heartbeat status (every 0.5 s): {figures['us_per_heartbeat_status']:.0f} us each, "
+          f"{figures['heartbeat_us_per_step']:.2f} us per step")
+    print(f"added per step: {100 * figures['overhead_share_of_step']:.3f} % of the mean step")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
