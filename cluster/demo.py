@@ -141,23 +141,23 @@ def main(argv: list[str] | None = None) -> int:
     table.add_row("wall time", f"{wall:.2f} s ({sum(r['tokens'] for r in ok) / wall:.0f} tok/s)")
     table.add_row("TTFT p50 / p90 / p99", " / ".join(f"{_pct(ttft, q):.0f}" for q in (0.5, 0.9, 0.99)) + " ms")
     table.add_row("TPOT p50 / p90 / p99", " / ".join(f"{_pct(tpot, q):.1f}" for q in (0.5, 0.9, 0.99)) + " ms")
-    table.add_row("KV transfers (requests with remote prefill)",
+    table.add_row("KV transfers (remote prefills)",
                   str(sum(1 for r in ok if r["timings"].ctx_worker)))
-    table.add_row("KV bytes moved (sum of per-transfer times)", f"{kv_bytes / 1e6:.2f} MB in {kv_ms:.0f} ms "
+    table.add_row("KV moved (sum of transfer times)", f"{kv_bytes / 1e6:.2f} MB in {kv_ms:.0f} ms "
                   f"({(kv_bytes / 1e9) / (kv_ms / 1e3) if kv_ms else 0:.2f} GB/s)")
-    table.add_row("pauses (MAX_UTILIZATION, generation pool)", str(sum(r["timings"].pauses for r in ok)))
+    table.add_row("pauses (gen pool, MAX_UTILIZATION)", str(sum(r["timings"].pauses for r in ok)))
     paths = status.totals.kv_paths
-    table.add_row("how the KV reached the generation worker",
-                  f"{paths.transferred} transferred, {paths.local_prefill} local prefill, "
-                  f"{paths.prefix_cached} prefix-cached, {paths.context_finished} ended on ctx, "
-                  f"{paths.failed} failed")
+    # How each request's KV reached its generation worker (RouterTotals.kv_paths).
+    table.add_row("KV xfer / local / cached / ctx / failed",
+                  f"{paths.transferred} / {paths.local_prefill} / {paths.prefix_cached} / "
+                  f"{paths.context_finished} / {paths.failed}")
     agent_ttft = [r["timings"].ttft_ms for r in ok if r["agent"]]
     chat_ttft = [r["timings"].ttft_ms for r in ok if not r["agent"]]
     if agent_ttft and chat_ttft:
         table.add_row("TTFT p50 agent / chatbot", f"{statistics.median(agent_ttft):.0f} / "
                       f"{statistics.median(chat_ttft):.0f} ms")
     for w in status.workers:
-        table.add_row(f"{w.worker_id}: KV free/total, pauses, transfers",
+        table.add_row(f"{w.worker_id}: KV free, pauses, xfers",
                       f"{w.free_kv_blocks}/{w.total_kv_blocks}, {w.pauses}, {w.transfers.count} "
                       f"({dict(w.transfers.outcomes)})")
     console.print(table)

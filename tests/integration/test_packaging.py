@@ -130,6 +130,9 @@ def test_installed_wheel_runs_the_cli_from_another_directory(installed, tmp_path
 
     demo = run([pdserve, "demo", "--num-requests", "8", "--concurrency", "4"], cwd=workdir, env=env, timeout=480)
     assert "8 / 8 / 0" in demo.stdout, demo.stdout[-3000:]  # sent / completed / failed
+    # It says where KV transfers and pauses are on the Ray dashboard, and how to log in.
+    assert "ray get-auth-token" in demo.stdout and "Task Table" in demo.stdout, demo.stdout[-3000:]
+    assert "pdserve-gen-0 -> Log" in demo.stdout, demo.stdout[-3000:]
 
     # An installed package writes nothing beside its own files, and its own stubs served every
     # process (no fallback generation into the per-user cache).
