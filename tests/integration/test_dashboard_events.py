@@ -12,6 +12,9 @@ Ray's state API (the dashboard's own HTTP API, authenticated with the cluster's 
 - the generation worker's actor log: one ``PAUSE req=<id>`` line per pause and one
   ``RESUME req=<id>`` line per resume, with the figures the worker recorded.
 
+And in headless Chromium, as a person following the README: log in with the token, open the
+job's Task Table and a transfer's Log, then the Actor Table -> pdserve-gen-0 -> Log.
+
 What pdserve recorded comes from GetClusterStatus.recent_events (the workers' events, carried
 by their heartbeats) and the workers' pause counters.
 """
@@ -157,6 +160,114 @@ def test_every_pause_and_resume_is_on_the_generation_workers_log(loaded):
     assert log_text.count("KV receive req=") == NUM_REQUESTS
 
 
+# ---------------------------------------------------------------------- in a real browser
+
+
+def _browser():
+    """Headless Debian Chromium driven by its chromedriver; skipped without them unless
+    PDSERVE_REQUIRE_CHROMIUM=1 (CI installs them, so there it must run)."""
+    import os
+    import shutil
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        chromium = None
+    if not (chromium and driver):
+        reason = "needs Debian's chromium and chromium-driver and the selenium package"
+        if os.environ.get("PDSERVE_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(f"PDSERVE_REQUIRE_CHROMIUM=1 but the test {reason}")
+        pytest.skip(reason)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--window-size=1800,1100"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def _dashboard_url() -> str:
+    import ray
+
+    return "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
+
+
+def _token() -> str:
+    from pathlib import Path
+
+    return (Path.home() / ".ray" / "auth_token").read_text().strip()
+
+
+def test_a_person_finds_transfers_and_pauses_in_the_dashboard(loaded):
+    """What the README and the demo tell a person to do, in Chromium: log in with the token,
+    open the job, the Task Table (a transfer's row, its Log with GB/s), then the Actor Table ->
+    pdserve-gen-0 -> Log (a pause's line)."""
+    import ray
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    cl, status = loaded
+    pause = next(e for e in status.recent_events if e.kind == e.PAUSE)
+    job_id = ray.get_runtime_context().get_job_id()
+    browser = _browser()
+    try:
+        wait = WebDriverWait(browser, 30)
+
+        def text(s: str):
+            return wait.until(EC.element_to_be_clickable(
+                (By.XPATH, f"//*[normalize-space(text())={_xpath_literal(s)}]")))
+
+        def body_has(s: str) -> bool:
+            return wait.until(lambda b: s in b.find_element(By.TAG_NAME, "body").text)
+
+        browser.get(f"{_dashboard_url()}/#/jobs/{job_id}")
+        login = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, ".MuiDialog-root input")))
+        login.send_keys(_token())
+        browser.find_element(By.XPATH, "//button[normalize-space()='Submit' or normalize-space()='SUBMIT']").click()
+
+        def click(element) -> None:  # as a person would: scrolled into view first
+            browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", element)
+            wait.until(EC.element_to_be_clickable(element)).click()
+
+        # Transfers: the job page's Task Table. A kv_transfer row names the request, the
+        # workers, blocks and bytes of one recorded transfer, and says FINISHED.
+        recorded = {(e.request_id, e.blocks, e.bytes) for e in status.recent_events
+                    if e.kind == e.TRANSFER}
+        click(text("Task Table"))
+        row = wait.until(EC.visibility_of_element_located(
+            (By.XPATH, "//tr[.//*[starts-with(normalize-space(text()), 'kv_transfer req=')]]")))
+        cell = row.find_element(By.XPATH, ".//*[starts-with(normalize-space(text()), 'kv_transfer req=')]")
+        req, ctx, gen, blocks, nbytes = NAME.match(" ".join(cell.text.split())).groups()
+        assert (ctx, gen) == ("ctx-0", "gen-0") and (req, int(blocks), int(nbytes)) in recorded, cell.text
+        assert "FINISHED" in row.text, row.text
+        click(row.find_element(By.XPATH, ".//*[normalize-space(text())='Log']"))
+        assert body_has(f"KV send req={req} ctx-0->gen-0: {blocks} blocks")
+        assert "GB/s" in browser.find_element(By.TAG_NAME, "body").text
+
+        # Pauses: back to the job, Actor Table -> pdserve-gen-0 -> Log (the STDERR tab).
+        browser.get(f"{_dashboard_url()}/#/jobs/{job_id}")
+        click(text("Actor Table"))
+        actor = wait.until(EC.visibility_of_element_located(
+            (By.XPATH, "//tr[.//*[normalize-space(text())='pdserve-gen-0']]")))
+        click(actor.find_element(By.XPATH, ".//*[normalize-space(text())='Log']"))
+        assert body_has(f"PAUSE req={pause.request_id} on gen-0: policy MAX_UTILIZATION, "
+                        f"{pause.generated_tokens} tokens generated, {pause.blocks_freed} KV blocks freed")
+    except Exception:
+        browser.save_screenshot("/tmp/pdserve-dashboard-test.png")
+        raise
+    finally:
+        browser.quit()
+
+
+def _xpath_literal(s: str) -> str:
+    return f"'{s}'" if "'" not in s else f'"{s}"'
+
+
+# Last: it launches a cluster with other settings, which replaces the loaded one.
 def test_a_failed_transfer_is_a_failed_task_with_its_reason(clusters):
     """A send stalled past the transfer timeout: the generation side times out and cancels; the
     context worker's kv_transfer task fails with the reason, and the router's retry still
