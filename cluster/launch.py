@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pdserve.workers.names import NAMESPACE, ROUTER_NAME, actor_name
+
 from .router import RouterConfig
 
 log = logging.getLogger("pdserve.launch")
 
-NAMESPACE = "pdserve"
-ROUTER_NAME = "pdserve-router"
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 60.0  # one call into the router actor
 
@@ -183,6 +183,7 @@ def launch(cfg: LaunchConfig) -> Cluster:
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from pdserve.cluster.metrics import WorkerMetrics
     from pdserve.workers.context_worker import ContextWorker
     from pdserve.workers.generation_worker import GenerationWorker
 
@@ -203,7 +204,7 @@ def launch(cfg: LaunchConfig) -> Cluster:
         if use_gpu:
             engine.setdefault("device", "cuda")
         options = dict(
-            name=f"pdserve-{worker_id}", namespace=NAMESPACE, max_restarts=cfg.max_restarts,
+            name=actor_name(worker_id), namespace=NAMESPACE, max_restarts=cfg.max_restarts,
             max_task_retries=0,
             # Ray records which log lines each actor task wrote, so a kv_transfer row in the
             # dashboard's task table links to its own line (duration, GB/s, outcome).
@@ -212,7 +213,8 @@ def launch(cfg: LaunchConfig) -> Cluster:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
-                      torch_threads=cfg.torch_threads, metrics=cfg.metrics,
+                      torch_threads=cfg.torch_threads,
+                      metrics=WorkerMetrics if cfg.metrics else None,
                       connect_timeout_s=cfg.connect_timeout_s)
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
@@ -289,7 +291,7 @@ def _router_actor_class():
             from .router import Router
 
             cfg = RouterConfig(**{**router_cfg, "agent_types": tuple(router_cfg.get("agent_types") or ())})
-            handles = {w: ray.get_actor(f"pdserve-{w}", namespace=NAMESPACE) for w in infos}
+            handles = {w: ray.get_actor(actor_name(w), namespace=NAMESPACE) for w in infos}
             router_metrics = None
             if metrics:
                 from pdserve.cluster.metrics import RouterMetrics

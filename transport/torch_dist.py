@@ -31,12 +31,13 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..workers.kv_pool import KVPool
+if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
+    from ..workers.kv_pool import KVPool
 from .protocol import (
     HEADER_LEN, CancelTransfer, Chunk, KVLayout, KVRequest, ProtocolError, ReceiverSessions,
     SenderSessions, TransferDescriptor, TransferDone, TransferRejected, TransferResult,

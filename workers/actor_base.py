@@ -22,9 +22,9 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
+from pdserve.scheduler import LlmRequest
 from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
 
 from . import events
@@ -33,11 +33,12 @@ from .engine import build_executor
 from .request_channel import RequestChannelServer
 from .sampling import SamplingParams
 from .transceiver import KVTransceiver
+from .names import NAMESPACE, actor_name
+from .wire import request_from_wire, update_to_wire
 from .worker_loop import WorkerLoop
 
 log = logging.getLogger("pdserve.worker")
 
-NAMESPACE = "pdserve"
 # Cached-prefix hashes advertised to the router's kv_cache_aware policy (most recent first).
 MAX_ADVERTISED_HASHES = 50_000
 # Reason prefix of a KV request refused because it was meant for a previous incarnation.
@@ -59,45 +60,11 @@ class KVTransferFailed(RuntimeError):
         return str(self.args[0])
 
 
-def actor_name(worker_id: str) -> str:
-    return f"pdserve-{worker_id}"
-
-
-def request_from_wire(d: dict[str, Any]) -> tuple[LlmRequest, SamplingParams]:
-    cpp = d.get("context_phase_params")
-    request = LlmRequest(
-        d["request_id"],
-        d["prompt"],
-        d["max_new_tokens"],
-        priority=d.get("priority", 0.5),
-        agent_hierarchy=d.get("agent_hierarchy"),
-        llm_request_type=LlmRequestType[d.get("type", "CONTEXT_AND_GENERATION")],
-        context_phase_params=ContextPhaseParams(**cpp) if cpp else None,
-        client_id=d.get("client_id"),
-    )
-    return request, SamplingParams(**d["sampling"])
-
-
 def _node_ip() -> str:
     """The address other nodes reach this worker on (127.0.0.1 on a one-machine cluster)."""
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def update_to_wire(update) -> dict[str, Any]:
-    d = update._asdict()
-    cpp = update.context_phase_params
-    if cpp is not None:
-        d["context_phase_params"] = {
-            "ctx_request_id": cpp.ctx_request_id,
-            "first_gen_tokens": list(cpp.first_gen_tokens),
-            "opaque_state": cpp.opaque_state,
-            "prompt_token_ids": cpp.prompt_token_ids,
-            "ctx_worker_id": cpp.ctx_worker_id,
-            "num_blocks": cpp.num_blocks,
-        }
-    return d
 
 
 class WorkerActorBase:
@@ -112,7 +79,7 @@ class WorkerActorBase:
         lease_s: float = 30.0,
         transfer_timeout_s: float = 30.0,
         torch_threads: int | None = None,
-        metrics: bool = True,
+        metrics: Callable[[str, str], Any] | None = None,
         stall_send_s: float = 0.0,
         connect_timeout_s: float = 10.0,
     ) -> None:
@@ -154,13 +121,11 @@ class WorkerActorBase:
 
         self.loaded, self.executor = build_executor(model_dir, self.config,
                                                     transceiver_factory=transceiver_factory)
-        self.metrics = None
-        if metrics:
-            from pdserve.cluster.metrics import WorkerMetrics
-
-            self.metrics = WorkerMetrics(self.role, actor_name(worker_id))
+        # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
+        # Called as metrics(role, the actor's name); None records nothing.
+        self.metrics = metrics(self.role, actor_name(worker_id)) if metrics is not None else None
         self.loop = WorkerLoop(self.executor, name=worker_id, send_control=self._send_control,
-                               on_step=self._on_step, route_by_endpoint=True,
+                               on_step=self._on_step,
                                on_fatal=self._on_fatal)
         self.loop.add_tick_hook(self._slow_step)
         self.loop.add_tick_hook(self._metrics_tick)
@@ -363,7 +328,7 @@ class WorkerActorBase:
     def _from_wire(wire: dict[str, Any]):
         """(request, sampling params, deadline as a time.monotonic() value or None, forced
         tokens); raises ValueError for a malformed request."""
-        request, params = request_from_wire(wire)
+        request, params = request_from_wire(wire), SamplingParams(**wire["sampling"])
         deadline = None
         if wire.get("deadline_s") is not None:
             deadline = time.monotonic() + float(wire["deadline_s"])
@@ -375,7 +340,7 @@ class WorkerActorBase:
             self._advertise(request.get_prompt_tokens())
 
     def _advertise(self, prompt: list[int]) -> None:
-        from pdserve.cluster.policies import block_hashes
+        from pdserve.scheduler.block_hash import block_hashes
 
         with self._hashes_lock:
             for h in block_hashes(prompt, self.config.tokens_per_block):
