@@ -19,54 +19,18 @@ import time
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
-from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
 
 from .config import EngineConfig
 from .engine import build_executor
 from .sampling import SamplingParams
 from .transceiver import KVTransceiver
+from .wire import request_from_wire, update_to_wire
 from .worker_loop import WorkerLoop
 
 AUTHKEY = b"pdserve-rpc-worker"
 CALL_TIMEOUT_S = 60.0
 
 ROLES = {"context": "CONTEXT_ONLY", "generation": "GENERATION_ONLY", "both": "CONTEXT_AND_GENERATION"}
-
-
-def request_to_dict(request: LlmRequest) -> dict[str, Any]:
-    cpp = request.context_phase_params
-    return {
-        "request_id": request.request_id,
-        "prompt": list(request.get_prompt_tokens()),
-        "max_new_tokens": request.max_new_tokens,
-        "priority": request.priority,
-        "type": request.llm_request_type.name,
-        "context_phase_params": params_to_dict(cpp) if cpp is not None else None,
-    }
-
-
-def params_to_dict(cpp: ContextPhaseParams) -> dict[str, Any]:
-    return {
-        "ctx_request_id": cpp.ctx_request_id,
-        "first_gen_tokens": list(cpp.first_gen_tokens),
-        "opaque_state": cpp.opaque_state,
-        "prompt_token_ids": cpp.prompt_token_ids,
-        "ctx_worker_id": cpp.ctx_worker_id,
-        "num_blocks": cpp.num_blocks,
-    }
-
-
-def request_from_dict(d: dict[str, Any]) -> LlmRequest:
-    cpp = d.get("context_phase_params")
-    return LlmRequest(
-        d["request_id"],
-        d["prompt"],
-        d["max_new_tokens"],
-        priority=d.get("priority", 0.5),
-        llm_request_type=LlmRequestType[d.get("type", "CONTEXT_AND_GENERATION")],
-        context_phase_params=ContextPhaseParams(**cpp) if cpp else None,
-        client_id=d.get("client_id"),
-    )
 
 
 class RpcWorkerClient:
@@ -126,7 +90,7 @@ class RpcWorkerServer:
 
     # ---- methods ------------------------------------------------------------------------------
     def rpc_submit(self, request: dict, params: dict) -> int:
-        stream = self.loop.submit(request_from_dict(request), SamplingParams(**params))
+        stream = self.loop.submit(request_from_wire(request), SamplingParams(**params))
         self._streams[request["request_id"]] = stream
         return request["request_id"]
 
@@ -138,13 +102,7 @@ class RpcWorkerServer:
         finally:
             if stream.finished:
                 self._streams.pop(request_id, None)
-        out = []
-        for u in updates:
-            d = u._asdict()
-            if u.context_phase_params is not None:
-                d["context_phase_params"] = params_to_dict(u.context_phase_params)
-            out.append(d)
-        return out
+        return [update_to_wire(u) for u in updates]
 
     def rpc_abort(self, request_id: int) -> bool:
         return self.loop.abort(request_id)

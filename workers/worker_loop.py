@@ -3,10 +3,11 @@
 
 Everything that touches the executor runs on the loop thread: submissions and aborts are
 commands queued to it. KV control messages the executor emits (its transceiver's outbox) are
-delivered on a small thread pool through ``deliver(ctx_worker_id, payload) -> reply`` (with
-``route_by_endpoint``: ``deliver(ctx_worker_id, payload, endpoint)``, so a restarted context
-worker can refuse messages meant for its previous incarnation), and replies go back through the
-transceiver's thread-safe inbox. A failed delivery fails the transfer at once instead of letting
+delivered either by ``send_control(ctx_worker_id, payload, endpoint, task_name)`` (the Ray
+actors: issued on the loop thread in outbox order, the endpoint lets a restarted context worker
+refuse messages meant for its previous incarnation) or, without it, on a small thread pool
+through ``deliver(ctx_worker_id, payload) -> reply`` (the RPC worker processes); replies go back
+through the transceiver's thread-safe inbox. A failed delivery fails the transfer at once instead of letting
 it run into its deadline.
 
 An abort can overtake its submission (they travel on different channels): the id is remembered
@@ -83,7 +84,6 @@ class WorkerLoop:
         deliver: Deliver | None = None,
         idle_wait_s: float = 0.05,
         on_step: Callable[[list[RequestUpdate]], None] | None = None,
-        route_by_endpoint: bool = False,
         on_fatal: Callable[[BaseException], None] | None = None,
         send_control: SendControl | None = None,
     ) -> None:
@@ -97,7 +97,6 @@ class WorkerLoop:
         # order of their seqs (its pair thread serves them in that order; out-of-order arrival
         # can fill its transfer threads with requests that all wait for an earlier one).
         self.send_control = send_control
-        self.route_by_endpoint = route_by_endpoint
         self.idle_wait_s = idle_wait_s
         self._tombstones: collections.OrderedDict[int, None] = collections.OrderedDict()
         # (fn, future to answer, or None for a posted command nobody waits on)
@@ -302,7 +301,7 @@ class WorkerLoop:
             except queue.Empty:
                 return
             if self.send_control is None:
-                self._control.submit(self._deliver_one, ctx_worker_id, payload, endpoint)
+                self._control.submit(self._deliver_one, ctx_worker_id, payload)
                 continue
             try:
                 wait = self.send_control(ctx_worker_id, payload, endpoint, task_name)
@@ -318,16 +317,12 @@ class WorkerLoop:
         except Exception as exc:
             self._control_failed(ctx_worker_id, payload, exc)
 
-    def _deliver_one(self, ctx_worker_id: str, payload: bytes, endpoint: str) -> None:
+    def _deliver_one(self, ctx_worker_id: str, payload: bytes) -> None:
         transceiver = self.executor.transceiver
         try:
             if self.deliver is None:
                 raise RuntimeError("no control plane to reach context workers")
-            if self.route_by_endpoint:
-                reply = self.deliver(ctx_worker_id, payload, endpoint)
-            else:
-                reply = self.deliver(ctx_worker_id, payload)
-            transceiver.deliver_reply(reply)
+            transceiver.deliver_reply(self.deliver(ctx_worker_id, payload))
         except Exception as exc:
             self._control_failed(ctx_worker_id, payload, exc)
 
