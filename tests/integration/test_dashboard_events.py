@@ -160,6 +160,17 @@ def test_every_pause_and_resume_is_on_the_generation_workers_log(loaded):
     assert log_text.count("KV receive req=") == NUM_REQUESTS
 
 
+def test_actors_have_their_class_names_and_reprs(loaded):
+    from ray.util.state import list_actors
+
+    actors = {a.name: a for a in list_actors(address=_address(), detail=True) if a.state == "ALIVE"}
+    router, ctx, gen = actors["pdserve-router"], actors["pdserve-ctx-0"], actors["pdserve-gen-0"]
+    assert (router.class_name, ctx.class_name, gen.class_name) == (
+        "RouterActor", "ContextWorker", "GenerationWorker")
+    assert router.repr_name.startswith("RouterActor(gRPC 127.0.0.1:"), router.repr_name
+    assert (ctx.repr_name, gen.repr_name) == ("ContextWorker(ctx-0)", "GenerationWorker(gen-0)")
+
+
 # ---------------------------------------------------------------------- in a real browser
 
 
