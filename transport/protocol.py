@@ -160,6 +160,9 @@ class TransferDone:
     reason: str  # "" when ok
     nbytes: int
     seconds: float
+    # Refused because the KV endpoint the request was meant for belongs to a previous
+    # incarnation of the context worker: nothing aimed at that endpoint can succeed any more.
+    endpoint_gone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,13 +186,15 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     }),
     "done": (TransferDone, {
         "transfer_id": _INT, "ctx_request_id": _INT, "ok": _BOOL, "reason": _STR,
-        "nbytes": _INT, "seconds": _FLOAT,
+        "nbytes": _INT, "seconds": _FLOAT, "endpoint_gone": _BOOL,
     }),
     "cancel": (CancelTransfer, {
         "transfer_id": _INT, "ctx_request_id": _INT, "gen_worker_id": _STR, "reason": _STR,
     }),
 }
 _TYPE_OF = {cls: name for name, (cls, _) in _SCHEMAS.items()}
+# Fields a message may leave out (added after version 1 shipped): their value when absent.
+_DEFAULTS: dict[str, dict[str, Any]] = {"done": {"endpoint_gone": False}}
 
 
 def _is_int(v: Any) -> bool:
@@ -240,10 +245,12 @@ def decode_message(data: bytes) -> Message:
     if kind not in _SCHEMAS:
         raise ProtocolError(f"unknown message type {kind!r}")
     cls, schema = _SCHEMAS[kind]
-    missing = [name for name in schema if name not in body]
+    defaults = _DEFAULTS.get(kind, {})
+    missing = [name for name in schema if name not in body and name not in defaults]
     if missing:
         raise ProtocolError(f"{kind} message lacks {', '.join(missing)}")
-    return cls(**{name: _field(k, name, body[name]) for name, k in schema.items()})
+    return cls(**{name: _field(k, name, body[name]) if name in body else defaults[name]
+                  for name, k in schema.items()})
 
 
 # ---------------------------------------------------------------------------- wire header

@@ -9,7 +9,7 @@ role; Ray's decorator is applied there.
 
 Faults: Ray restarts a dead worker (``max_restarts``); the new process has a new incarnation and
 a new KV endpoint, which travels to generation workers inside the context-phase params. A KV
-control message addressed to a previous incarnation's endpoint is refused with ENDPOINT_GONE,
+control message addressed to a previous incarnation's endpoint is refused (``endpoint_gone``),
 and the generation side then fails every transfer still aimed at it instead of waiting for a
 store that no longer exists. If the step loop itself dies the process exits, so Ray restarts it.
 Wire requests carry ``deadline_s`` (seconds left when sent); the executor aborts a request past
@@ -41,8 +41,6 @@ log = logging.getLogger("pdserve.worker")
 
 # Cached-prefix hashes advertised to the router's kv_cache_aware policy (most recent first).
 MAX_ADVERTISED_HASHES = 50_000
-# Reason prefix of a KV request refused because it was meant for a previous incarnation.
-ENDPOINT_GONE = "endpoint gone: "
 # Longest wait for one update of a request without a deadline.
 UPDATE_WAIT_S = 600.0
 FATAL_EXIT_DELAY_S = 1.0  # lets the error updates reach the router before the process exits
@@ -258,7 +256,8 @@ class WorkerActorBase:
         client = events.label(msg.ctx_request_id, held.client_id if held is not None else None)
         if endpoint is not None and endpoint != self.executor.transceiver.endpoint:
             reply = encode_message(TransferDone(msg.transfer_id, msg.ctx_request_id, False,
-                                                ENDPOINT_GONE + endpoint, 0, 0.0))
+                                                f"endpoint gone: {endpoint}", 0, 0.0,
+                                                endpoint_gone=True))
         else:
             reply = self.loop.handle_kv_control(payload)
         done = decode_message(reply) if reply else None
@@ -318,7 +317,7 @@ class WorkerActorBase:
             raise
         if reply:
             done = decode_message(reply)
-            if isinstance(done, TransferDone) and done.reason.startswith(ENDPOINT_GONE):
+            if isinstance(done, TransferDone) and done.endpoint_gone:
                 log.warning("%s: context worker %s restarted; endpoint %s is gone",
                             self.worker_id, ctx_worker_id, endpoint)
                 receiver.mark_gone(endpoint)

@@ -516,3 +516,12 @@ def test_receiver_invariants_under_random_operations(ops: list[tuple[str, int]])
         assert rx.num_quarantined_blocks == quarantined
     assert len(handed) == len(set(handed))
     assert rx.num_active == len(reserved) - len(handed)
+
+
+def test_done_endpoint_gone_is_a_field_and_may_be_absent():
+    gone = TransferDone(1, 2, False, "endpoint gone: 127.0.0.1:5#9", 0, 0.0, endpoint_gone=True)
+    assert decode_message(encode_message(gone)).endpoint_gone is True
+    # A done without the field (as version 1 first wrote it) is not a gone endpoint.
+    assert decode_message(_raw(**_done_body(ok=False, reason="x"))).endpoint_gone is False
+    with pytest.raises(ProtocolError, match="endpoint_gone"):
+        decode_message(_raw(**_done_body(endpoint_gone="yes")))
