@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from pdserve.scheduler import lifecycle
 
 if TYPE_CHECKING:
     from pdserve.workers.executor import Executor, ExecutorStats
@@ -286,15 +288,10 @@ class WorkerGauges(NamedTuple):
 
 def gauges_from_executor(executor: Executor) -> WorkerGauges:
     """The gauge values without ``Executor.status()``'s invariant checks and transfer summary."""
-    by_state: dict[str, int] = {}
     t = executor.transceiver
-    groups: list[Iterable] = [executor.active, executor.waiting]
-    if t is not None:
-        groups += [t.transmitting.values(), t.draining.values()]
-    for group in groups:
-        for r in group:
-            name = r.state.name
-            by_state[name] = by_state.get(name, 0) + 1
+    handed_over = (t.transmitting, t.draining) if t is not None else ()
+    by_state = lifecycle.count_by_state(
+        lifecycle.live_requests(executor.active, executor.waiting, *handed_over).values())
     kv = executor.kv
     free = kv.get_num_free_blocks()
     return WorkerGauges(by_state, kv.num_blocks - free, free, kv.num_blocks,

@@ -13,7 +13,7 @@ token); every decode step adds one to both.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from .request import LlmRequest, LlmRequestState
 
@@ -115,3 +115,26 @@ def finish_request(
     if kv.has_sequence(request.request_id):
         kv.remove_sequence(request.request_id)
     request.state = state
+
+
+def live_requests(
+    active: Iterable[LlmRequest], waiting: Iterable[LlmRequest],
+    *handed_over: Mapping[int, LlmRequest],
+) -> dict[int, LlmRequest]:
+    """Every request a worker still holds, once each, by id: the active list, the waiting queue,
+    and what the transport holds for it (a context worker's leased hand-offs, a generation
+    worker's aborted receives still draining). The one definition behind a worker's status,
+    its per-request states and its metrics."""
+    live = {r.request_id: r for r in active}
+    live.update((r.request_id, r) for r in waiting)
+    for group in handed_over:
+        live.update(group)
+    return live
+
+
+def count_by_state(requests: Iterable[LlmRequest]) -> dict[str, int]:
+    """LlmRequestState name -> number of requests in it."""
+    out: dict[str, int] = {}
+    for r in requests:
+        out[r.state.name] = out.get(r.state.name, 0) + 1
+    return out

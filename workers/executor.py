@@ -241,15 +241,20 @@ class Executor:
         its transport session state instead (RESERVED, REQUESTED, RECEIVING)."""
         t = self.transceiver
         out: dict[int, str] = {}
-        for r in self.active + self.waiting:
+        for rid, r in self.live_requests().items():
             name = r.state.name
-            if t is not None and r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS:
-                name = t.receive_state(r.request_id) or name
-            out[r.request_id] = name
-        if t is not None:
-            for rid, r in list(t.transmitting.items()) + list(t.draining.items()):
-                out[rid] = r.state.name
+            if (t is not None and r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS
+                    and rid not in t.draining):
+                name = t.receive_state(rid) or name
+            out[rid] = name
         return out
+
+    def live_requests(self) -> dict[int, LlmRequest]:
+        """Every request this worker holds (``lifecycle.live_requests``)."""
+        t = self.transceiver
+        if t is None:
+            return lifecycle.live_requests(self.active, self.waiting)
+        return lifecycle.live_requests(self.active, self.waiting, t.transmitting, t.draining)
 
     def _untrack(self, request_id: int) -> _Tracked | None:
         self.paused_since.pop(request_id, None)
@@ -333,13 +338,8 @@ class Executor:
         the invariants a drained worker must satisfy (free + used == total; every block held by
         a live request)."""
         t = self.transceiver
-        live: dict[int, LlmRequest] = {r.request_id: r for r in self.active + self.waiting}
-        if t is not None:
-            live.update(t.transmitting)
-            live.update(t.draining)
-        by_state: dict[str, int] = {}
-        for r in live.values():
-            by_state[r.state.name] = by_state.get(r.state.name, 0) + 1
+        live = self.live_requests()
+        by_state = lifecycle.count_by_state(live.values())
         free, used = self.kv.get_num_free_blocks(), self.kv.get_num_used_blocks()
         violations = []
         if free + used != self.kv.num_blocks:
