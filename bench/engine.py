@@ -35,7 +35,7 @@ MODEL = dict(arch="llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_he
 
 
 def workload(num_requests: int) -> list[tuple[list[int], int]]:
-    from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+    from pdserve.traces import fit_scale, load_trace, synth_prompt
 
     rows = load_trace("azure_llm_2023_conv.csv", num_requests)
     scale = fit_scale(rows, MAX_PROMPT, MAX_OUTPUT)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import msgpack
 
-    from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+    from pdserve.traces import fit_scale, load_trace, synth_prompt
     from pdserve.cluster.launch import builtin_model_dir
     from pdserve.workers import events as E
     from pdserve.workers.config import EngineConfig

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+from pdserve.traces import fit_scale, load_trace, synth_prompt
 from pdserve.scheduler import (
     CapacityScheduler,
     CapacitySchedulerPolicy,

@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from pdserve.bench.traces import LengthScale, TraceRequest, fit_scale, load_trace, synth_prompt
+from pdserve.traces import LengthScale, TraceRequest, fit_scale, load_trace, synth_prompt
 
 
 class WorkItem(NamedTuple):

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pdserve.bench.traces import fit_scale, load_trace, synth_prompt
+    from pdserve.traces import fit_scale, load_trace, synth_prompt
     from pdserve.cluster.client import Client
     from pdserve.cluster.launch import LaunchConfig, ensure_ray, launch
     from pdserve.cluster.router import RouterConfig

@@ -109,7 +109,7 @@ def test_installed_wheel_runs_the_cli_from_another_directory(installed, tmp_path
     env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PDSERVE_CACHE": str(tmp_path / "cache" / "pdserve")}
     python, pdserve = str(installed / "python"), str(installed / "pdserve")
 
-    where = run([python, "-c", "import pdserve, pdserve.cluster.rpc as r, pdserve.bench.traces as t; "
+    where = run([python, "-c", "import pdserve, pdserve.cluster.rpc as r, pdserve.traces as t; "
                  "print(pdserve.__file__); print(r.router_pb2_grpc.__file__); print(','.join(t.bundled_trace_names()))"],
                 cwd=workdir, env=env).stdout.split()
     package = Path(where[0]).parent
@@ -146,7 +146,7 @@ def test_a_copy_of_the_repository_alone_runs_the_trace_dependent_parts(tmp_path)
     assert sorted(p.name for p in root.parent.iterdir()) == ["pdserve"]
     env = {**ENV, "PYTHONPATH": str(root.parent)}
     loaded = run([sys.executable, "-c",
-                  "import pdserve; from pdserve.bench.traces import bundled_trace_names, load_trace; "
+                  "import pdserve; from pdserve.traces import bundled_trace_names, load_trace; "
                   "print(pdserve.__file__); print({n: len(load_trace(n)) for n in bundled_trace_names()})"],
                  cwd=root, env=env).stdout.splitlines()
     assert Path(loaded[0]) == root / "__init__.py"  # the copy, not this checkout

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.sched_replay import ReplayConfig, main, replay
-from pdserve.bench.traces import LengthScale, fit_scale, load_trace, synth_prompt
+from pdserve.traces import LengthScale, fit_scale, load_trace, synth_prompt
 
 
 def test_azure_trace_rows_parse_with_relative_arrivals():

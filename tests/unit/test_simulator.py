@@ -13,7 +13,7 @@ from pdserve.bench.cost_model import GPU_PRESETS, MODELS, CostModel, HardwareSpe
 from pdserve.bench.metrics import RequestRecord, Slo, percentile, summarize
 from pdserve.bench.simulator import ClusterSimulator, ClusterSpec, Latency, WorkerSpec, simulate
 from pdserve.bench.sizing import at_rate, gpu_worker_spec, gpu_workload, max_rate_under_slo, parse_layout
-from pdserve.bench.traces import MOONCAKE_BLOCK_TOKENS, load_trace
+from pdserve.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from pdserve.bench.workload import WorkItem, WorkloadSpec, build_workload, mean_rate, rescaled
 
 TINY = ModelShape("tiny", 4, 128, 4, 2, 32, 256, 259, dtype_bytes=4, max_seq_len=2048)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pdserve.bench.traces import bundled_trace_names, bundled_traces_dir, load_trace
+from pdserve.traces import bundled_trace_names, bundled_traces_dir, load_trace
 
 ROWS = {"azure_llm_2023_code.csv": 8819, "azure_llm_2023_conv.csv": 19366,
         "mooncake_fast25_conversation.jsonl": 12031, "mooncake_fast25_synthetic.jsonl": 3993}
