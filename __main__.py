@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.cluster.cli import main
+from pdserve.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

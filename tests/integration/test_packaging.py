@@ -73,7 +73,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_holds_the_proto_stubs_and_traces_and_no_tests(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for name in ("pdserve/__init__.py", "pdserve/__main__.py", "pdserve/cluster/cli.py",
+    for name in ("pdserve/__init__.py", "pdserve/__main__.py", "pdserve/cli/main.py",
                  "pdserve/proto/stubs.py", "pdserve/proto/pdserve/v1/router.proto",
                  "pdserve/proto/pdserve/v1/router_pb2.py", "pdserve/proto/pdserve/v1/router_pb2_grpc.py",
                  "pdserve/data/traces/README.md"):
@@ -87,7 +87,7 @@ def test_wheel_holds_the_proto_stubs_and_traces_and_no_tests(wheel):
     grpc_stub = zipfile.ZipFile(wheel).read("pdserve/proto/pdserve/v1/router_pb2_grpc.py").decode()
     assert "from . import router_pb2 as" in grpc_stub
     entry_points = zipfile.ZipFile(wheel).read("pdserve-0.1.0.dist-info/entry_points.txt").decode()
-    assert "pdserve = pdserve.cluster.cli:main" in entry_points
+    assert "pdserve = pdserve.cli.main:main" in entry_points
 
 
 @pytest.fixture(scope="module")

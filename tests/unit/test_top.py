@@ -11,7 +11,7 @@ import grpc
 import pytest
 from rich.console import Console
 
-from pdserve.cluster import cli, top
+from pdserve.cli import main as cli, top
 from pdserve.cluster.rpc import router_pb2 as pb
 
 E = pb.ClusterEvent

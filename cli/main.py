@@ -124,7 +124,7 @@ def _launch(argv: list[str]) -> int:
                       "ray_address": ray.get_runtime_context().gcs_address}), flush=True)
     url = dashboard or _dashboard_url()
     if url:
-        from pdserve.cluster.demo import dashboard_guide
+        from pdserve.cli.demo import dashboard_guide
 
         print(dashboard_guide(url if url.startswith("http") else f"http://{url}"), file=sys.stderr,
               flush=True)
@@ -235,7 +235,7 @@ def _status(argv: list[str]) -> int:
     from rich.console import Console
 
     from pdserve.cluster.client import Client
-    from pdserve.cluster.top import render_status, status_to_dict
+    from pdserve.cli.top import render_status, status_to_dict
 
     with Client(f"{args.host}:{args.port}") as client:
         try:
@@ -251,7 +251,7 @@ def _status(argv: list[str]) -> int:
 
 
 def _top(argv: list[str]) -> int:
-    from pdserve.cluster.top import main
+    from pdserve.cli.top import main
 
     return main(argv)
 
@@ -276,7 +276,7 @@ def _shutdown(argv: list[str]) -> int:
 # ---------------------------------------------------------------------- the rest
 
 def _demo(argv: list[str]) -> int:
-    from pdserve.cluster.demo import main
+    from pdserve.cli.demo import main
 
     return main(argv)
 

@@ -42,7 +42,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from .rpc import router_pb2 as pb
+from pdserve.cluster.rpc import router_pb2 as pb
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_EVENTS = 8
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interval <= 0:
         parser.error("--interval must be > 0")
 
-    from .rpc import router_pb2_grpc
+    from pdserve.cluster.rpc import router_pb2_grpc
 
     address = f"{args.host}:{args.port}"
     deadline = max(MIN_DEADLINE_S, args.interval)
