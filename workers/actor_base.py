@@ -177,29 +177,28 @@ class WorkerActorBase:
         return self.loop.abort(request_id)
 
     def status(self) -> dict[str, Any]:
-        status = self.loop.status()
+        """For tools and tests (the router reads heartbeats): with the last transfer records."""
+        return self.loop.call(lambda: self._status(records=True))  # type: ignore[return-value]
+
+    def _status(self, *, records: bool) -> dict[str, Any]:
+        """On the loop thread: ``Executor.status()`` plus who this worker is and its cumulative
+        token counts."""
+        ex = self.executor
+        status = ex.status(records=records)
         status.update(worker_id=self.worker_id, role=self.role, healthy=self.loop.alive,
                       max_batch_size=self.config.max_batch_size,
                       tokens_per_block=self.config.tokens_per_block, pid=os.getpid(),
-                      incarnation=self.incarnation)
+                      incarnation=self.incarnation, generated_tokens=ex.stats.generated_tokens,
+                      context_tokens=ex.stats.context_tokens,
+                      paused_requests=len(ex.paused_since),
+                      capacity_policy=self.config.capacity_scheduler_policy.name)
         return status
 
     def _heartbeat_status(self) -> dict[str, Any]:
-        """On the loop thread, once per heartbeat: ``status()`` without the transfer records,
-        plus the cumulative token counts and the events since the previous heartbeat."""
-        ex = self.executor
-        status = ex.status()
-        transfers = status.get("transfers")
-        if transfers:
-            transfers.pop("records", None)
-        status.update(worker_id=self.worker_id, role=self.role, healthy=self.loop.alive,
-                      max_batch_size=self.config.max_batch_size,
-                      tokens_per_block=self.config.tokens_per_block, incarnation=self.incarnation,
-                      generated_tokens=ex.stats.generated_tokens,
-                      context_tokens=ex.stats.context_tokens,
-                      paused_requests=len(ex.paused_since),
-                      capacity_policy=self.config.capacity_scheduler_policy.name,
-                      events=ex.events.drain())
+        """On the loop thread, once per heartbeat or status op: the status without the transfer
+        records (never built) and the events since the previous one."""
+        status = self._status(records=False)
+        status["events"] = self.executor.events.drain()
         return status
 
     def __repr__(self) -> str:

@@ -333,7 +333,7 @@ class Executor:
         self.stats.steps += 1
         return updates
 
-    def status(self) -> dict:
+    def status(self, *, records: bool = True) -> dict:
         """A snapshot for GetClusterStatus: requests by state, KV blocks, transfers, pauses and
         the invariants a drained worker must satisfy (free + used == total; every block held by
         a live request)."""
@@ -368,7 +368,7 @@ class Executor:
                 "leases_expired": ts.leases_expired, "bytes_sent": ts.bytes_sent,
                 "bytes_received": ts.bytes_received, "seconds": ts.seconds,
                 "outcomes": _count(r.outcome for r in ts.records),
-                "records": [r._asdict() for r in list(ts.records)[-64:]],
+                **({"records": [r._asdict() for r in list(ts.records)[-64:]]} if records else {}),
             } if ts is not None else None,
             "violations": violations,
         }

@@ -142,6 +142,18 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def burst(cl: Cluster, prefix: str, prompts: list[list[int]], max_tokens: int,
+          timeout_s: float = 180.0) -> list[Result]:
+    """Every prompt at once over one gRPC channel, ids ``<prefix>-<i>``; errors recorded."""
+    async def go():
+        async with channel(cl.port) as ch:
+            stub = stub_of(ch)
+            return await asyncio.gather(*(generate(stub, f"{prefix}-{i}", p, max_tokens)
+                                          for i, p in enumerate(prompts)))
+
+    return run(go(), timeout_s)
+
+
 def run(coro, timeout_s: float):
     """asyncio.run with an overall bound."""
     return asyncio.run(asyncio.wait_for(coro, timeout_s))

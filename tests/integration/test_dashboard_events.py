@@ -20,7 +20,6 @@ by their heartbeats) and the workers' pause counters.
 """
 from __future__ import annotations
 
-import asyncio
 import re
 
 import pytest
@@ -73,15 +72,7 @@ def loaded(clusters):
     import cluster_util as U
 
     cl = clusters(engine=U.ENGINE, generation_engine=GEN_ENGINE)
-    prompts = U.prompts(NUM_REQUESTS, seed=11)
-
-    async def burst():
-        async with U.channel(cl.port) as ch:
-            stub = U.stub_of(ch)
-            return await asyncio.gather(*(U.generate(stub, f"dash-{i}", p, MAX_TOKENS)
-                                          for i, p in enumerate(prompts)))
-
-    results = U.run(burst(), timeout_s=180)
+    results = U.burst(cl, "dash", U.prompts(NUM_REQUESTS, seed=11), MAX_TOKENS)
     assert all(r.code is None for r in results), [(r.request_id, r.details) for r in results]
     status = U.wait_drained(cl)
     gen = next(w for w in status.workers if w.worker_id == "gen-0")

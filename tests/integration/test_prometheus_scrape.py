@@ -83,17 +83,7 @@ def loaded(clusters):
 
     cl = clusters(engine=ENGINE, generation_engine=dict(capacity_scheduler_policy="MAX_UTILIZATION",
                                                         num_kv_blocks=GEN_BLOCKS))
-    prompts = U.prompts(NUM_REQUESTS, seed=1)
-
-    async def burst():
-        async with U.channel(cl.port) as ch:
-            stub = U.stub_of(ch)
-            import asyncio
-
-            return await asyncio.gather(*(U.generate(stub, f"prom-{i}", p, MAX_TOKENS)
-                                          for i, p in enumerate(prompts)))
-
-    results = U.run(burst(), timeout_s=180)
+    results = U.burst(cl, "prom", U.prompts(NUM_REQUESTS, seed=1), MAX_TOKENS)
     load_end = time.monotonic()
     assert all(r.code is None and r.last is not None for r in results), \
         [(r.request_id, r.code, r.details) for r in results if r.code is not None]
