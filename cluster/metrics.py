@@ -25,12 +25,13 @@ request gauges from Prometheus a few seconds after the load stopped. Hence the t
 - ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(executor)`` after every
   executor step (``WorkerLoop(on_step=...)``) and ``tick(executor)`` every loop turn (a
   ``WorkerLoop`` tick hook: at least every ``idle_wait_s``, idle included). Counters and
-  histograms come from the deltas of the executor's cumulative ``ExecutorStats`` /
-  ``TransceiverStats``; gauges (requests per state, KV blocks) are set again, changed or not,
-  whenever ``gauge_interval_s`` (0.5 s) has passed, from ``observe`` or ``tick``, and always
-  after the step that leaves the executor idle (``not executor.has_work``); ``force=True``
-  sets them at once. A tick that is not due costs one clock read. While a step is stuck the
-  ticks stop, and so, after 2 report intervals, do the worker's gauges.
+  histograms come from the deltas of the executor's cumulative ``ExecutorStats`` and of the
+  transport's ``TransferLog`` (the transceiver's ``transfers``); gauges (requests per state, KV
+  blocks) are set again, changed or not, whenever ``gauge_interval_s`` (0.5 s) has passed,
+  from ``observe`` or ``tick``, and always after the step that leaves the executor idle
+  (``not executor.has_work``); ``force=True`` sets them at once. A tick that is not due costs
+  one clock read. While a step is stuck the ticks stop, and so, after 2 report intervals, do
+  the worker's gauges.
 - ``RouterMetrics()``: the router calls one method per event (queue change, first token,
   finish); events are buffered and handed to Ray by ``flush``, which the router calls every
   ``status_refresh_s`` (0.5 s). ``flush`` sets every gauge's last value again each time, so the
@@ -51,8 +52,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from pdserve.scheduler import lifecycle
 
 if TYPE_CHECKING:
+    from pdserve.transport.protocol import TransferLog, TransferRecord
     from pdserve.workers.executor import Executor, ExecutorStats
-    from pdserve.workers.transceiver import TransceiverStats
 
 # ---------------------------------------------------------------------------- tag keys
 
@@ -348,7 +349,7 @@ class WorkerMetrics(_Recorder):
         """After each step: counter/histogram deltas always; gauges when due, when the executor
         has no work left, or with ``force``."""
         t = executor.transceiver
-        self.observe_stats(executor.stats, t.stats if t is not None else None)
+        self.observe_stats(executor.stats, t.transfers if t is not None else None)
         # The step that leaves the executor idle always refreshes (its values changed).
         self.tick(executor, force=force or not executor.has_work)
 
@@ -361,7 +362,7 @@ class WorkerMetrics(_Recorder):
             self._next_gauges_at = now + self.gauge_interval_s
             self.observe_gauges(gauges_from_executor(executor))
 
-    def observe_stats(self, stats: ExecutorStats, transfer_stats: TransceiverStats | None = None) -> None:
+    def observe_stats(self, stats: ExecutorStats, transfer_stats: TransferLog | None = None) -> None:
         """Record what the cumulative counters gained since the previous call. Several steps
         since the previous call are recorded as one step of their average (call once per step
         for exact histograms). A counter that went backwards (a new executor) restarts from 0."""
@@ -404,7 +405,7 @@ class WorkerMetrics(_Recorder):
             for i in range(len(records) - min(d.transfers, len(records)), len(records)):
                 self._observe_transfer(records[i])
 
-    def _observe_transfer(self, record: Any) -> None:
+    def _observe_transfer(self, record: TransferRecord) -> None:
         self._inc(KV_TRANSFERS, 1, self._tags_with(OUTCOME, record.outcome))
         if record.outcome in OK_OUTCOMES:
             self._observe(KV_TRANSFER_SECONDS, record.seconds)

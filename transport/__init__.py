@@ -10,8 +10,9 @@ from typing import Any
 
 from .protocol import (
     CancelTransfer, KVLayout, KVRequest, ProtocolError, ReceiverSessions, RecvState,
-    SenderSessions, SendState, SessionStats, TransferDescriptor, TransferDone, TransferRecord,
-    TransferRejected, TransferResult, TransitionError, decode_message, encode_message,
+    SenderSessions, SendState, SessionStats, TransferDescriptor, TransferDone, TransferLog,
+    TransferRecord, TransferRejected, TransferResult, TransitionError, decode_message,
+    encode_message,
 )
 
 _LAZY = {"KVSender", "KVReceiver", "TransportConfig", "layout_of"}
@@ -19,8 +20,8 @@ _LAZY = {"KVSender", "KVReceiver", "TransportConfig", "layout_of"}
 __all__ = [
     "CancelTransfer", "KVLayout", "KVRequest", "ProtocolError", "ReceiverSessions", "RecvState",
     "SenderSessions", "SendState", "SessionStats", "TransferDescriptor", "TransferDone",
-    "TransferRecord", "TransferRejected", "TransferResult", "TransitionError", "decode_message",
-    "encode_message", *sorted(_LAZY),
+    "TransferLog", "TransferRecord", "TransferRejected", "TransferResult", "TransitionError",
+    "decode_message", "encode_message", *sorted(_LAZY),
 ]
 
 

@@ -417,14 +417,54 @@ class SessionStats(NamedTuple):
     total_bytes: int  # bytes of successful transfers
 
 
+MAX_TRANSFER_RECORDS = 10_000  # records a TransferLog keeps: a long-running worker stays bounded
+
+
 class TransferRecord(NamedTuple):
-    transfer_id: int
+    """One finished session, as ``poll`` handed it back (a worker's status lists these)."""
+
+    transfer_id: int  # -1 when no transfer was ever claimed/issued
     request_id: int
-    peer: str
-    nbytes: int
+    peer: str  # the other side's worker id ("" for a lease no KV request claimed)
+    nbytes: int  # 0 unless the transfer succeeded
     seconds: float
     outcome: str  # the final state's name
     reason: str
+    side: str  # "send" (context side) | "recv" (generation side)
+
+
+class TransferLog:
+    """The count of finished transfers: cumulative totals plus the most recent records. The
+    sessions add each one as ``poll`` hands it back, so the thread that polls (the executor's)
+    can read the fields without a lock; ``Executor.status()`` and the worker metrics read them.
+    A worker with both roles has its two sides count into one log (``_Sessions.count_into``)."""
+
+    def __init__(self, max_records: int = MAX_TRANSFER_RECORDS) -> None:
+        self.sent = 0
+        self.received = 0
+        self.failed = 0  # every other final state, expired leases included
+        self.leases_expired = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.seconds = 0.0  # successful transfers only
+        self.outcomes: Counter[str] = Counter()  # final state name -> transfers
+        self.records: deque[TransferRecord] = deque(maxlen=max_records)
+
+    def add(self, record: TransferRecord, *, ok: bool) -> None:
+        if ok:
+            if record.side == "send":
+                self.sent += 1
+                self.bytes_sent += record.nbytes
+            else:
+                self.received += 1
+                self.bytes_received += record.nbytes
+            self.seconds += record.seconds
+        else:
+            self.failed += 1
+            if record.outcome == SendState.EXPIRED.name:  # only a lease (send side) expires
+                self.leases_expired += 1
+        self.outcomes[record.outcome] += 1
+        self.records.append(record)
 
 
 @dataclass(slots=True)
@@ -446,24 +486,25 @@ class _Sessions:
     """Shared bookkeeping of both sides. Thread-safe: the executor thread and the pair threads
     call in concurrently."""
 
+    _side: str  # TransferRecord.side of this side's sessions
     _edges: dict[enum.IntEnum, set[enum.IntEnum]]  # legal transitions; keys = live states
     _success: enum.IntEnum
     _failed: enum.IntEnum
     _cancelled: enum.IntEnum
 
     def __init__(self, worker_id: str, layout: KVLayout, *, clock: Clock = time.monotonic,
-                 default_timeout_s: float = 30.0, max_records: int = 1024) -> None:
+                 default_timeout_s: float = 30.0,
+                 max_records: int = MAX_TRANSFER_RECORDS) -> None:
         self.worker_id = worker_id
         self.layout = layout
         self._clock = clock
         self.default_timeout_s = default_timeout_s
         self._lock = threading.RLock()
         self._sessions: dict[int, _Session] = {}
-        self._ready: deque[TransferResult] = deque()
+        # final and quiescent, not handed back yet; the record is counted when it is
+        self._ready: deque[tuple[TransferResult, TransferRecord]] = deque()
         self._quarantined_blocks = 0
-        self._records: deque[TransferRecord] = deque(maxlen=max_records)
-        self.outcomes: Counter[str] = Counter()
-        self.total_bytes = 0
+        self.transfers = TransferLog(max_records)
 
     # --------------------------------------------------------------- counts and queries
 
@@ -479,14 +520,21 @@ class _Sessions:
             return self._quarantined_blocks
 
     def transfer_records(self) -> list[TransferRecord]:
-        """The most recent finished sessions (bytes, seconds, outcome), oldest first."""
+        """The most recent sessions handed back (bytes, seconds, outcome), oldest first."""
         with self._lock:
-            return list(self._records)
+            return list(self.transfers.records)
 
     def stats(self) -> SessionStats:
         with self._lock:
+            t = self.transfers
             return SessionStats(len(self._sessions), self._quarantined_blocks,
-                                dict(self.outcomes), self.total_bytes)
+                                dict(t.outcomes), t.bytes_sent + t.bytes_received)
+
+    def count_into(self, transfers: TransferLog) -> None:
+        """Count handed-back sessions into ``transfers`` from now on (a worker with both roles
+        keeps one log for its sends and receives)."""
+        with self._lock:
+            self.transfers = transfers
 
     def state_of(self, request_id: int) -> enum.IntEnum | None:
         with self._lock:
@@ -508,7 +556,10 @@ class _Sessions:
         """Apply deadlines, then hand back every session that is final and quiescent."""
         self.check_deadlines()
         with self._lock:
-            out = list(self._ready)
+            out = []
+            for result, record in self._ready:
+                self.transfers.add(record, ok=result.ok)
+                out.append(result)
             self._ready.clear()
             return out
 
@@ -634,25 +685,25 @@ class _Sessions:
         ok = s.state == self._success
         tid = -1 if s.descriptor is None else s.descriptor.transfer_id
         nbytes = s.nbytes if ok else 0
-        self._ready.append(TransferResult(s.request_id, tid, s.state, ok, s.reason, nbytes,
-                                          s.seconds, s.block_ids))
-        self._records.append(TransferRecord(tid, s.request_id, s.peer, nbytes, s.seconds,
-                                           s.state.name, s.reason))
-        self.outcomes[s.state.name] += 1
-        self.total_bytes += nbytes
+        self._ready.append((
+            TransferResult(s.request_id, tid, s.state, ok, s.reason, nbytes, s.seconds,
+                           s.block_ids),
+            TransferRecord(tid, s.request_id, s.peer, nbytes, s.seconds, s.state.name, s.reason,
+                           self._side)))
 
 
 class SenderSessions(_Sessions):
     """Context side: LEASED -> SENDING -> SENT | FAILED | CANCELLED, and LEASED -> EXPIRED |
     CANCELLED."""
 
+    _side = "send"
     _edges = _SEND_EDGES
     _success = SendState.SENT
     _failed = SendState.FAILED
     _cancelled = SendState.CANCELLED
 
     def __init__(self, worker_id: str, layout: KVLayout, *, clock: Clock = time.monotonic,
-                 lease_s: float = 30.0, max_records: int = 1024) -> None:
+                 lease_s: float = 30.0, max_records: int = MAX_TRANSFER_RECORDS) -> None:
         super().__init__(worker_id, layout, clock=clock, default_timeout_s=lease_s,
                          max_records=max_records)
 
@@ -703,13 +754,15 @@ class ReceiverSessions(_Sessions):
     """Generation side: RESERVED -> REQUESTED -> RECEIVING -> COMPLETE, with FAILED | TIMED_OUT
     | CANCELLED reachable from every live state."""
 
+    _side = "recv"
     _edges = _RECV_EDGES
     _success = RecvState.COMPLETE
     _failed = RecvState.FAILED
     _cancelled = RecvState.CANCELLED
 
     def __init__(self, worker_id: str, layout: KVLayout, *, clock: Clock = time.monotonic,
-                 default_timeout_s: float = 30.0, max_records: int = 1024) -> None:
+                 default_timeout_s: float = 30.0,
+                 max_records: int = MAX_TRANSFER_RECORDS) -> None:
         super().__init__(worker_id, layout, clock=clock, default_timeout_s=default_timeout_s,
                          max_records=max_records)
         self._next_transfer_id = 0

@@ -347,7 +347,7 @@ class Executor:
         orphans = [rid for rid in self.kv.sequence_ids() if rid not in live]
         if orphans:
             violations.append(f"blocks held by no live request: {sorted(orphans)[:10]}")
-        ts = t.stats if t is not None else None
+        ts = t.transfers if t is not None else None
         return {
             "requests_by_state": by_state,
             "num_active": len(self.active),
@@ -367,7 +367,7 @@ class Executor:
                 "sent": ts.sent, "received": ts.received, "failed": ts.failed,
                 "leases_expired": ts.leases_expired, "bytes_sent": ts.bytes_sent,
                 "bytes_received": ts.bytes_received, "seconds": ts.seconds,
-                "outcomes": _count(r.outcome for r in ts.records),
+                "outcomes": dict(ts.outcomes),
                 **({"records": [r._asdict() for r in list(ts.records)[-64:]]} if records else {}),
             } if ts is not None else None,
             "violations": violations,
@@ -513,9 +513,3 @@ class Executor:
         return {"kv_transfer_bytes": nbytes, "kv_transfer_seconds": seconds,
                 "kv_transfer_blocks": blocks}
 
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[item] = out.get(item, 0) + 1
-    return out

@@ -19,12 +19,10 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, lifecycle
-from pdserve.transport.protocol import encode_message
+from pdserve.transport.protocol import TransferLog, encode_message
 
 from .events import WorkerEvents, label, transfer_task_name
 
@@ -44,28 +42,6 @@ class ControlMessage(NamedTuple):
     task_name: str  # what the dashboard calls the call that carries it
 
 
-class TransferRecord(NamedTuple):
-    request_id: int
-    side: str  # "send" | "recv"
-    outcome: str  # final session state name, e.g. SENT, COMPLETE, EXPIRED, TIMED_OUT
-    nbytes: int
-    seconds: float
-    reason: str
-
-
-@dataclass(slots=True)
-class TransceiverStats:
-    sent: int = 0
-    received: int = 0
-    failed: int = 0
-    leases_expired: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0
-    # The most recent transfers (bounded so a long-running worker does not grow).
-    records: deque[TransferRecord] = field(default_factory=lambda: deque(maxlen=10_000))
-
-
 class KVTransceiver:
     def __init__(
         self,
@@ -81,7 +57,12 @@ class KVTransceiver:
         self.receiver = receiver
         self.lease_s = lease_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.stats = TransceiverStats()
+        # The worker's one count of finished transfers, kept by the transport sessions as they
+        # hand them back (a worker with both roles counts both sides into the sender's log).
+        sides = [side for side in (sender, receiver) if side is not None]
+        self.transfers: TransferLog = sides[0].sessions.transfers if sides else TransferLog()
+        for side in sides[1:]:
+            side.sessions.count_into(self.transfers)
         # Context side: finished context-only requests whose blocks are leased.
         self.transmitting: dict[int, LlmRequest] = {}
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
@@ -192,7 +173,6 @@ class KVTransceiver:
             time.sleep(0.0005)
         by_id = {r.request_id: r for r in active}
         for result in results:
-            self._record(result, "recv")
             moved = self._transfer_event(result)
             request = by_id.get(result.request_id)
             drained = self.draining.pop(result.request_id, None)
@@ -259,13 +239,11 @@ class KVTransceiver:
                 side.close()
 
     def _finish_send(self, result, kv) -> None:
-        self._record(result, "send")
         request = self.transmitting.pop(result.request_id, None)
         if request is None:
             return
         state = S.DISAGG_CONTEXT_COMPLETE if result.ok else S.DISAGG_TRANS_ERROR
-        if result.state.name == "EXPIRED":
-            self.stats.leases_expired += 1
+        if result.state.name == "EXPIRED":  # counted by the transport's TransferLog
             log.warning("request %d: lease expired before a generation worker claimed its KV; "
                         "%d blocks freed", result.request_id, len(result.block_ids))
         lifecycle.finish_request(request, kv, state)
@@ -282,18 +260,3 @@ class KVTransceiver:
                                  seconds=result.seconds, outcome=result.state.name,
                                  reason="" if result.ok else result.reason)
         return moved
-
-    def _record(self, result, side: str) -> None:
-        s = self.stats
-        if result.ok:
-            if side == "send":
-                s.sent += 1
-                s.bytes_sent += result.nbytes
-            else:
-                s.received += 1
-                s.bytes_received += result.nbytes
-            s.seconds += result.seconds
-        else:
-            s.failed += 1
-        s.records.append(TransferRecord(result.request_id, side, result.state.name,
-                                        result.nbytes, result.seconds, result.reason))

@@ -54,20 +54,20 @@ def ray_metrics_port():
 def _record_metrics(worker_id: str, router_id: str):
     """Records one set of events; returns the (worker, gauges, router) that keep the gauges."""
     from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
+    from pdserve.transport.protocol import TransferLog, TransferRecord
     from pdserve.workers.executor import ExecutorStats
-    from pdserve.workers.transceiver import TransceiverStats, TransferRecord
 
     worker = WorkerMetrics("context", worker_id)
-    stats, ts = ExecutorStats(), TransceiverStats()
+    stats, ts = ExecutorStats(), TransferLog()
     stats.steps, stats.schedule_seconds, stats.forward_seconds = 1, 0.002, 0.02
     stats.context_tokens, stats.generated_tokens, stats.pauses = 64, 1, 1
     worker.observe_stats(stats, ts)
     stats.steps, stats.schedule_seconds, stats.forward_seconds = 2, 0.004, 0.04
     stats.generated_tokens, stats.pauses = 3, 3
-    ts.sent, ts.failed, ts.bytes_sent, ts.leases_expired, ts.seconds = 2, 1, 3_000_000, 1, 0.006
-    ts.records.extend([TransferRecord(1, "send", "SENT", 1_000_000, 0.003, ""),
-                       TransferRecord(2, "send", "SENT", 2_000_000, 0.003, ""),
-                       TransferRecord(3, "send", "EXPIRED", 0, 30.0, "lease")])
+    # sent 2, failed 1 (an expired lease), 3 MB in 0.006 s
+    ts.add(TransferRecord(0, 1, "gen-0", 1_000_000, 0.003, "SENT", "", "send"), ok=True)
+    ts.add(TransferRecord(1, 2, "gen-0", 2_000_000, 0.003, "SENT", "", "send"), ok=True)
+    ts.add(TransferRecord(-1, 3, "", 0, 30.0, "EXPIRED", "lease", "send"), ok=False)
     worker.observe_stats(stats, ts)
     gauges = WorkerGauges({"GENERATION_IN_PROGRESS": 2, "CONTEXT_INIT": 1}, 5, 27, 32, 0)
     worker.observe_gauges(gauges)

@@ -1,19 +1,19 @@
 """cluster/metrics.py without Ray: a fake factory records every metric call, a fake clock drives
-the gauge timer, and the executor's real stats dataclasses carry the cumulative counters."""
+the gauge timer, and the executor's real stats and the transport's real TransferLog carry the
+cumulative counters."""
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-from collections import deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.cluster import metrics as M
 from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
+from pdserve.transport.protocol import TransferLog, TransferRecord
 from pdserve.workers.executor import ExecutorStats
-from pdserve.workers.transceiver import TransceiverStats, TransferRecord
 
 S = LlmRequestState
 
@@ -78,24 +78,17 @@ class Clock:
 
 class FakeTransceiver:
     def __init__(self, maxlen: int = 10_000) -> None:
-        self.stats = TransceiverStats()
-        self.stats.records = deque(maxlen=maxlen)
+        self.transfers = TransferLog(maxlen)
         self.transmitting: dict[int, LlmRequest] = {}
         self.draining: dict[int, LlmRequest] = {}
         self.num_quarantined_blocks = 0
 
     def finish(self, rid: int, outcome: str, nbytes: int, seconds: float) -> None:
-        """What KVTransceiver._record does for one finished transfer."""
-        s = self.stats
-        if outcome in ("SENT", "COMPLETE"):
-            s.sent += outcome == "SENT"
-            s.received += outcome == "COMPLETE"
-            s.bytes_sent += nbytes if outcome == "SENT" else 0
-            s.bytes_received += nbytes if outcome == "COMPLETE" else 0
-            s.seconds += seconds
-        else:
-            s.failed += 1
-        s.records.append(TransferRecord(rid, "send", outcome, nbytes, seconds, ""))
+        """What the transport's sessions do when ``poll`` hands a finished transfer back."""
+        ok = outcome in ("SENT", "COMPLETE")
+        side = "recv" if outcome in ("COMPLETE", "TIMED_OUT") else "send"
+        self.transfers.add(TransferRecord(rid, rid, "peer", nbytes if ok else 0, seconds, outcome,
+                                          "", side), ok=ok)
 
 
 class FakeExecutor:
@@ -238,8 +231,7 @@ def test_transfers_are_recorded_once_each_by_outcome():
     t = FakeTransceiver()
     ex = FakeExecutor(t)
     t.finish(1, "SENT", 2_000_000, 0.002)
-    t.finish(2, "EXPIRED", 0, 30.0)
-    t.stats.leases_expired += 1
+    t.finish(2, "EXPIRED", 0, 30.0)  # counted as a lease that expired, too
     metrics.observe(ex)
     t.finish(3, "SENT", 0, 0.001)  # every block was cached on the generation side
     t.finish(4, "FAILED", 0, 0.5)
@@ -294,12 +286,13 @@ def test_counter_increments_sum_to_the_cumulative_totals(events, observe_after):
     assert sum(factory.calls(M.SCHEDULER_STEPS)) == ex.stats.steps
     assert abs(sum(factory.calls(M.SCHEDULER_TIME)) - ex.stats.schedule_seconds) < 1e-9
     assert abs(sum(factory.calls(M.FORWARD_TIME)) - ex.stats.forward_seconds) < 1e-9
-    assert abs(sum(factory.calls(M.KV_TRANSFER_TIME)) - t.stats.seconds) < 1e-9
-    assert sum(factory.calls(M.KV_TRANSFER_BYTES)) == t.stats.bytes_sent + t.stats.bytes_received
-    total_transfers = t.stats.sent + t.stats.received + t.stats.failed
+    assert abs(sum(factory.calls(M.KV_TRANSFER_TIME)) - t.transfers.seconds) < 1e-9
+    assert sum(factory.calls(M.KV_TRANSFER_BYTES)) == t.transfers.bytes_sent + t.transfers.bytes_received
+    assert sum(factory.calls(M.KV_LEASES_EXPIRED)) == t.transfers.leases_expired
+    total_transfers = t.transfers.sent + t.transfers.received + t.transfers.failed
     assert sum(factory.calls(M.KV_TRANSFERS)) == total_transfers
     for outcome in ("SENT", "COMPLETE", "FAILED", "EXPIRED"):
-        expected = sum(r.outcome == outcome for r in t.stats.records)
+        expected = sum(r.outcome == outcome for r in t.transfers.records)
         assert sum(factory.calls(M.KV_TRANSFERS, outcome=outcome)) == expected
 
 

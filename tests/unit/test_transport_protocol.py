@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable
 
 import msgpack
@@ -228,8 +229,11 @@ def test_sender_happy_path_sends_only_trailing_blocks(tx: SenderSessions) -> Non
         7, SendState.SENT, True, d.total_bytes, (1, 2, 3, 4, 5))
     assert tx.num_active == 0 and tx.poll() == []
     record = tx.transfer_records()[-1]
-    assert (record.outcome, record.peer, record.nbytes) == ("SENT", "gen-0", d.total_bytes)
+    assert (record.outcome, record.peer, record.nbytes, record.side) == (
+        "SENT", "gen-0", d.total_bytes, "send")
     assert tx.stats() == (0, 0, {"SENT": 1}, d.total_bytes)
+    assert (tx.transfers.sent, tx.transfers.bytes_sent, tx.transfers.seconds) == (
+        1, d.total_bytes, 0.5)
 
 
 @pytest.mark.parametrize("setup, req, match", [
@@ -327,6 +331,29 @@ def test_failed_send_reports_reason(tx: SenderSessions) -> None:
     assert tx.transfer_records()[-1].outcome == "FAILED"
 
 
+def test_transfers_are_counted_when_poll_hands_them_back(tx: SenderSessions, rx: ReceiverSessions,
+                                                         clock: FakeClock) -> None:
+    """The log is written by the thread that polls (the executor's, which reads it), once per
+    session; a worker with both roles counts both sides into one log."""
+    rx.count_into(tx.transfers)
+    tx.lease(7, [1, 2, 3], lease_s=2.0)
+    tx.lease(8, [4, 5])
+    d = tx.claim(kv_request(8, num_blocks=2))
+    assert tx.begin_op(8)
+    tx.op_finished(8, ok=True, nbytes=d.total_bytes, seconds=0.25)
+    reserve(rx, 1, timeout_s=1.0)
+    assert tx.transfers.records == deque() and tx.transfers.sent == 0  # final, not handed back
+    clock.advance(2.0)
+    assert [r.request_id for r in tx.poll()] == [8, 7] and [r.request_id for r in rx.poll()] == [1]
+    t = tx.transfers
+    assert (t.sent, t.received, t.failed, t.leases_expired) == (1, 0, 2, 1)
+    assert (t.bytes_sent, t.bytes_received, t.seconds) == (d.total_bytes, 0, 0.25)
+    assert t.outcomes == {"EXPIRED": 1, "SENT": 1, "TIMED_OUT": 1}
+    assert [(r.request_id, r.side, r.outcome) for r in t.records] == [
+        (8, "send", "SENT"), (7, "send", "EXPIRED"), (1, "recv", "TIMED_OUT")]
+    assert rx.transfer_records() == tx.transfer_records()
+
+
 def test_group_destroyed_releases_only_that_groups_quarantine(tx: SenderSessions) -> None:
     for rid, group in [(1, "pdserve-kv/c/a/1/0"), (2, "pdserve-kv/c/b/1/0")]:
         tx.lease(rid, [rid * 10, rid * 10 + 1])
@@ -376,7 +403,7 @@ def test_receiver_happy_path(rx: ReceiverSessions, clock: FakeClock) -> None:
     assert (r.state, r.ok, r.nbytes, r.block_ids) == (RecvState.COMPLETE, True, 3 * 4096,
                                                       (10, 11, 12, 13))
     assert rx.transfer_records()[-1] == (msg.transfer_id, 1, "ctx-0", 3 * 4096, 0.2, "COMPLETE",
-                                         "")
+                                         "", "recv")
 
 
 def test_transfer_ids_are_unique(rx: ReceiverSessions) -> None:
@@ -425,7 +452,7 @@ def test_data_plane_timeout_is_timed_out_not_failed(rx: ReceiverSessions) -> Non
     rx.op_finished(1, ok=False, nbytes=0, seconds=2.0, reason="wait timed out")
     (r,) = rx.poll()
     assert (r.state, r.ok, r.reason) == (RecvState.TIMED_OUT, False, "deadline exceeded")
-    assert rx.outcomes == {"TIMED_OUT": 1}
+    assert rx.transfers.outcomes == {"TIMED_OUT": 1} and rx.transfers.failed == 1
 
 
 @pytest.mark.parametrize("state", ["RESERVED", "REQUESTED", "RECEIVING"])

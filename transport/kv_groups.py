@@ -1,0 +1,252 @@
+"""Pair process groups of the KV data plane and the pieces both of its sides share: the
+config, the deadline of an op's waits, the 2-rank group, the staging ring, the pool <-> wire
+block mover, the header tensor, and the client end of a context worker's rendezvous store.
+``kv_sender`` (context side) and ``kv_receiver`` (generation side) build on these.
+
+Pair protocol, per op ``seq`` of a group (both sides run ops in seq order):
+  ctx -> gen  header int64[HEADER_LEN] (tag seq/0), always, even for a refused or cancelled op
+  ctx -> gen  payload chunk i (tag seq/i+1): raw bytes [planes, blocks, block bytes] of one
+              rectangle of (layer, K/V) planes x transfer blocks (``protocol.plan_chunks``)
+Chunks are pipelined: the gather (ctx) or scatter (gen) of one chunk through a ring of reused
+staging buffers overlaps the send/recv of its neighbours (torch ops and gloo I/O release the
+GIL). A single-plane chunk whose block ids are consecutive on a side is a contiguous slice of that
+side's pool and is sent from / received into the pool without a copy.
+
+Failure rule: any exception or timeout on a pair poisons its group on that side; the group is
+aborted (the peer's pending ops then fail at once with "connection closed") and the generation
+side rebuilds under a new epoch (fresh store prefix) on the next request. Other pairs have their
+own groups and threads, so one dead peer touches nobody else.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
+    from ..workers.kv_pool import KVPool
+from .protocol import HEADER_LEN, Chunk, KVLayout, plan_chunks
+
+STORE_CONNECT_POLL_S = 0.2  # how often a store connect in progress checks its endpoint (connect_store)
+MAX_OUTSTANDING = 16  # posted chunk sends/recvs per op (staged ones are also bounded by staging)
+INCARNATION_KEY = "pdserve/incarnation"  # set in a context worker's store: whose store it is
+CTX_RANK, GEN_RANK = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # context side's TCPStore port; 0 picks a free one
+    connect_timeout_s: float = 10.0  # store connect and pair-group rendezvous
+    default_timeout_s: float = 30.0  # lease (ctx) / transfer deadline (gen) when none is given
+    chunk_bytes: int = 4 << 20  # target payload chunk when blocks are gathered
+    num_staging: int = 3  # staging buffers per pair thread (pipeline depth)
+
+
+def layout_of(pool: KVPool) -> KVLayout:
+    return KVLayout(str(pool.dtype).removeprefix("torch."), pool.bytes_per_block,
+                    (pool.num_layers, pool.tokens_per_block, pool.num_kv_heads, pool.head_dim))
+
+
+def as_timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 1e-3))
+
+
+class Deadline:
+    """A real-time (monotonic) deadline for the waits of one op."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def left(self, what: str) -> datetime.timedelta:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"deadline passed before {what}")
+        # c10d takes whole milliseconds, rounded down: ask for one more, so that a wait that
+        # runs out (gloo raises rather than returning False) means the deadline has passed
+        return datetime.timedelta(milliseconds=math.ceil(left * 1000) + 1)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        if not work.wait(self.left(what)):
+            raise TimeoutError(f"{what} did not complete in time")
+
+
+class PairGroup:
+    """One pair process group (2 ranks) on a PrefixStore, never the global default group."""
+
+    def __init__(self, store: dist.Store, name: str, rank: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self.name = name
+        self.rank = rank
+        self.peer = 1 - rank
+        prefixed = dist.PrefixStore(name, store)
+        if device.type == "cuda":  # both sides hold CUDA tensors: NCCL (not on CPU builds)
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None:
+                raise RuntimeError("this torch build has no ProcessGroupNCCL")
+            opts = nccl.Options()
+            opts._timeout = as_timedelta(timeout_s)
+            self.pg = nccl(prefixed, rank, 2, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, as_timedelta(timeout_s))
+
+    def send(self, t: torch.Tensor, tag: int) -> dist.Work:
+        return self.pg.send([t], self.peer, tag)
+
+    def recv(self, t: torch.Tensor, tag: int) -> dist.Work:
+        return self.pg.recv([t], self.peer, tag)
+
+    def destroy(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - teardown of a broken group must not raise
+            pass
+
+
+class StagingRing:
+    """A ring of flat byte buffers reused across transfers. After a failed op the ring is
+    dropped (a pending gloo op of the aborted group may still reference it)."""
+
+    def __init__(self, depth: int, device: torch.device) -> None:
+        self.depth, self.device = depth, device
+        self.bufs: list[torch.Tensor] = []
+
+    def get(self, nbytes: int) -> list[torch.Tensor]:
+        if not self.bufs or self.bufs[0].numel() < nbytes:
+            # zero-filled so the pages are touched once here, not inside the timed path
+            self.bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                         for _ in range(self.depth)]
+        return self.bufs
+
+    def drop(self) -> None:
+        self.bufs = []
+
+
+class BlockMover:
+    """Moves one transfer's chunks between the pool and the wire. The pool is viewed as rows
+    [2 * layers * num_blocks, block_numel] (row p * num_blocks + b = block b of plane p), so a
+    single-plane chunk over consecutive block ids is one contiguous slice: it is sent from (or
+    received into) the pool itself. Other chunks go through a staging buffer."""
+
+    def __init__(self, pool: KVPool, block_ids: tuple[int, ...], chunk_planes: int,
+                 chunk_blocks: int) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= pool.num_blocks):
+            raise IndexError(f"block id out of range [0, {pool.num_blocks})")
+        self.nb = pool.num_blocks
+        self.num_planes = 2 * pool.num_layers
+        self.rows = pool.kv.view(self.num_planes * self.nb, -1)  # [planes * blocks, block_numel]
+        self.row_bytes = pool.bytes_per_block // self.num_planes
+        self.ids = block_ids
+        self.ids_t = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        self.chunks = plan_chunks(self.num_planes, len(block_ids), chunk_planes, chunk_blocks)
+        self.staging_bytes = max((c.num_rows for c in self.chunks), default=0) * self.row_bytes
+        run = [1] * len(block_ids)  # run[i]: consecutive ids starting at position i
+        for i in range(len(block_ids) - 2, -1, -1):
+            if block_ids[i + 1] == block_ids[i] + 1:
+                run[i] = run[i + 1] + 1
+        self.run = run
+
+    def nbytes(self, c: Chunk) -> int:
+        return c.num_rows * self.row_bytes
+
+    def direct(self, c: Chunk) -> torch.Tensor | None:
+        """The chunk's bytes inside the pool when they are contiguous there, else None."""
+        n = c.block_stop - c.block_start
+        if c.plane_stop - c.plane_start != 1 or self.run[c.block_start] < n:
+            return None
+        first = c.plane_start * self.nb + self.ids[c.block_start]
+        return self.rows[first:first + n].view(-1).view(torch.uint8)
+
+    def _index(self, c: Chunk) -> torch.Tensor:
+        planes = torch.arange(c.plane_start, c.plane_stop, device=self.ids_t.device)
+        return (planes[:, None] * self.nb + self.ids_t[None, c.block_start:c.block_stop]).view(-1)
+
+    def _as_rows(self, buf: torch.Tensor, c: Chunk) -> torch.Tensor:
+        return buf[: self.nbytes(c)].view(self.rows.dtype).view(c.num_rows, -1)
+
+    def gather(self, c: Chunk, buf: torch.Tensor) -> torch.Tensor:
+        torch.index_select(self.rows, 0, self._index(c), out=self._as_rows(buf, c))
+        return buf[: self.nbytes(c)]
+
+    def scatter(self, c: Chunk, buf: torch.Tensor) -> None:
+        self.rows.index_copy_(0, self._index(c), self._as_rows(buf, c))
+
+
+def header_tensor(device: torch.device, values: list[int] | None = None) -> torch.Tensor:
+    if values is None:
+        return torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def incarnation_of(endpoint: str) -> int:
+    """The incarnation in a locator "host:port#incarnation" (0 for a bare "host:port")."""
+    _, _, inc = endpoint.partition("#")
+    return int(inc) if inc.isdigit() else 0
+
+
+def failure_reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+
+# ---------------------------------------------------------------------------- rendezvous store
+
+
+def connect_store(endpoint: str, host: str, port: int, timeout_s: float, *, thread_name: str,
+                  abandoned: Callable[[], bool]) -> dist.TCPStore:
+    """The context worker's store, connected on a helper thread that this one watches.
+
+    c10d's client bounds its connect but not its validation read: a port that another kind
+    of server took over after the context process died accepts the connection and never
+    answers, and the constructor blocks until that server closes it (forever for a mute
+    one; measured: > 120 s with a 1 s timeout). So this thread waits for the helper in
+    slices and gives up at the deadline, or as soon as ``abandoned()`` says ``endpoint`` is
+    gone or replaced (the restarted worker's first request arrived): a stale op must not hold
+    the pair thread while the new incarnation waits for it to join a group. An abandoned
+    helper ends when the far side closes its socket; what it connected, if anything, is
+    dropped."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            outcome["store"] = dist.TCPStore(host, port, None, False, as_timedelta(timeout_s))
+        except BaseException as exc:  # noqa: BLE001 - handed to the pair thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=connect, name=thread_name, daemon=True).start()
+    end = time.monotonic() + timeout_s
+    while not done.wait(STORE_CONNECT_POLL_S):
+        if abandoned():
+            raise RuntimeError(f"context endpoint {endpoint} was replaced while connecting to its store")
+        if time.monotonic() >= end:
+            raise TimeoutError(f"the store at {endpoint} did not answer within {timeout_s:.1f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["store"]
+
+
+def probe_store(endpoint: str, host: str, port: int, timeout_s: float,
+                mark_gone: Callable[[str], None]) -> None:
+    """A refused connection means no store listens there any more (its process is gone):
+    fail now and remember it (``mark_gone``), instead of retrying the connect until the
+    timeout."""
+    try:
+        socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+    except ConnectionRefusedError:
+        mark_gone(endpoint)
+        raise RuntimeError(f"context endpoint {endpoint} refused the connection: gone") from None
+    except OSError:  # slow or unreachable: not proof; the store connect has its own timeout
+        pass

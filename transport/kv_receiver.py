@@ -1,0 +1,404 @@
+"""Generation side of the KV data plane: ``KVReceiver`` runs one thread (``_ReceiverPair``) and one
+pair group per context worker it receives from, and receives in the order the KV requests were
+issued (pair protocol and failure rule: ``kv_groups``).
+
+Restarts: a context worker advertises a ``locator`` ("host:port#incarnation"), unique per
+process. When a generation worker sees a new locator for a context worker, or is told that a
+locator is gone, every op for the old one fails at once (no rendezvous with a store that no
+longer exists), and requests still carrying it are refused before they touch the pair.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
+    from ..workers.kv_pool import KVPool
+from .kv_groups import (
+    GEN_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
+    TransportConfig, connect_store, failure_reason, header_tensor, incarnation_of, layout_of,
+    probe_store,
+)
+from .protocol import (
+    CancelTransfer, KVRequest, ProtocolError, ReceiverSessions, TransferDescriptor,
+    TransferDone, TransferResult, WireHeader, WireStatus, decode_message, group_name, wire_tag,
+)
+
+MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
+
+
+@dataclass(slots=True)
+class _RecvOp:
+    gen_request_id: int
+    descriptor: TransferDescriptor
+    deadline: Deadline
+
+
+class _ReceiverPair:
+    """Generation side of one pair: receives in the order ``issue`` was called (= seq order).
+    After a failure the group is poisoned: epoch + 1, seq from 0, queued ops fail."""
+
+    def __init__(self, owner: KVReceiver, ctx_worker_id: str, endpoint: str) -> None:
+        self.owner = owner
+        self.ctx_worker_id = ctx_worker_id
+        self.cond = threading.Condition()
+        self.queue: deque[_RecvOp] = deque()
+        self.endpoint = endpoint
+        self.epoch = 0
+        self.next_seq = 0
+        self.stopping = False
+        self.store: dist.TCPStore | None = None  # the pair thread's; reconnected on reset
+        self.store_endpoint = ""
+        self.group: PairGroup | None = None
+        self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
+        self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-recv-{ctx_worker_id}",
+                                       daemon=True)
+        self.thread.start()
+
+    @property
+    def group_name(self) -> str:
+        return group_name(self.ctx_worker_id, self.owner.worker_id, self.owner.incarnation,
+                          self.epoch)
+
+    def set_endpoint(self, endpoint: str) -> None:
+        """A restarted context worker has a new store address: later ops use a new group, and
+        the old address is gone for good (one store per context process). An endpoint of an
+        older incarnation than the current one is the one that is gone: the pair stays."""
+        with self.cond:
+            if endpoint == self.endpoint:
+                return
+            if incarnation_of(endpoint) < incarnation_of(self.endpoint):
+                stale = endpoint
+                doomed = []
+            else:
+                stale, self.endpoint = self.endpoint, endpoint
+                doomed = self._reset_locked()
+        self.owner.mark_gone(stale, _notify_pair=False)
+        for op in doomed:
+            self.owner.sessions.fail(op.gen_request_id, "context worker moved to a new endpoint")
+
+    def endpoint_gone(self, endpoint: str) -> None:
+        """Fail every queued op: they all target ``endpoint``, which no longer exists."""
+        with self.cond:
+            if endpoint != self.endpoint:
+                return
+            doomed = self._reset_locked()
+        for op in doomed:
+            self.owner.sessions.fail(op.gen_request_id, f"context worker endpoint {endpoint} is gone")
+
+    def issue(self, gen_request_id: int) -> KVRequest:
+        with self.cond:
+            if self.stopping:
+                raise RuntimeError("transport closed")
+            msg = self.owner.sessions.request(gen_request_id, group=self.group_name,
+                                              seq=self.next_seq)
+            self.next_seq += 1
+            d = self.owner.sessions.descriptor(gen_request_id)
+            assert d is not None
+            self.queue.append(_RecvOp(gen_request_id, d, Deadline(msg.timeout_s)))
+            self.cond.notify()
+            return msg
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def _reset_locked(self) -> list[_RecvOp]:
+        self.epoch += 1
+        self.next_seq = 0
+        doomed = list(self.queue)
+        self.queue.clear()
+        return doomed
+
+    # ------------------------------------------------------------ pair thread
+
+    def _run(self) -> None:
+        sessions = self.owner.sessions
+        while True:
+            with self.cond:
+                while not self.queue and not self.stopping:
+                    self.cond.wait()
+                if self.stopping:
+                    doomed = list(self.queue)
+                    self.queue.clear()
+                else:
+                    doomed = []
+                    op = self.queue.popleft()
+                    current, endpoint = self.group_name, self.endpoint
+            for d_op in doomed:
+                sessions.fail(d_op.gen_request_id, "transport closed")
+            if self.stopping:
+                self._drop_group(store_too=True)
+                return
+            if op.descriptor.group != current:
+                sessions.fail(op.gen_request_id, "pair group was reset before this transfer began")
+                continue
+            if self.owner.is_gone(endpoint):  # no rendezvous with a store that is gone
+                sessions.fail(op.gen_request_id, f"context worker endpoint {endpoint} is gone")
+                self._drop_group(store_too=True)
+                continue
+            self._execute(op, endpoint)
+
+    def _poison(self, reason: str, group: str) -> None:
+        """The op on ``group`` failed. The ops queued behind it are doomed only if that group
+        is still current: after a reset (new endpoint) they belong to a newer group."""
+        with self.cond:
+            doomed = self._reset_locked() if group == self.group_name else []
+        self._drop_group(store_too=True)
+        for op in doomed:
+            self.owner.sessions.fail(op.gen_request_id, f"pair group poisoned: {reason}")
+
+    def _drop_group(self, *, store_too: bool) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.staging.drop()
+        if store_too:
+            self.store = None
+
+    def _ensure_group(self, name: str, endpoint: str, deadline: Deadline) -> PairGroup:
+        if self.group is not None and self.group.name == name:
+            return self.group
+        self._drop_group(store_too=endpoint != self.store_endpoint)
+        left = min(self.owner.config.connect_timeout_s, deadline.left("rendezvous").total_seconds())
+        if self.store is None:
+            host, port = endpoint.split("#", 1)[0].rsplit(":", 1)
+            probe_store(endpoint, host, int(port), left, self.owner.mark_gone)
+            store = connect_store(endpoint, host, int(port), left,
+                                  thread_name=f"pdserve-kv-store-{self.ctx_worker_id}",
+                                  abandoned=lambda: self._abandoned(endpoint))
+            if incarnation_of(endpoint) and not (store.check([INCARNATION_KEY]) and int(
+                    store.get(INCARNATION_KEY)) == incarnation_of(endpoint)):
+                # another process listens on the port now: the one we want is gone
+                self.owner.mark_gone(endpoint)
+                raise RuntimeError(f"context endpoint {endpoint} is gone (its port was reused)")
+            self.store, self.store_endpoint = store, endpoint
+        self.group = PairGroup(self.store, name, GEN_RANK, self.owner.pool.device, left)
+        return self.group
+
+    def _abandoned(self, endpoint: str) -> bool:
+        """``endpoint`` is gone or replaced: a store connect to it in progress gives up."""
+        with self.cond:
+            replaced = self.endpoint != endpoint
+        return replaced or self.owner.is_gone(endpoint)
+
+    def _execute(self, op: _RecvOp, endpoint: str) -> None:
+        d, sessions, rid = op.descriptor, self.owner.sessions, op.gen_request_id
+        proceed, t0 = False, time.perf_counter()
+        try:
+            group = self._ensure_group(d.group, endpoint, op.deadline)
+            hdr = header_tensor(self.owner.pool.device)
+            op.deadline.wait(group.recv(hdr, wire_tag(d.seq, 0)), "header recv")
+            header = WireHeader.from_ints(hdr.tolist())
+            self._check(header, d)
+            if header.status != WireStatus.OK:
+                sessions.fail(rid, f"context side answered {WireStatus(header.status).name}")
+                return
+            # blocks are written only from here on; a session cancelled meanwhile drains the
+            # payload into staging so the op stream stays paired
+            proceed = sessions.begin_op(rid)
+            t0 = time.perf_counter()
+            mover = BlockMover(self.owner.pool, d.gen_block_ids, header.chunk_planes,
+                           header.chunk_blocks)
+            self._recv_payload(group, d, mover, op.deadline, land=proceed)
+        except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
+            why = failure_reason(exc)
+            if op.deadline.passed():
+                # the transfer deadline passed while waiting (for the rendezvous or the data):
+                # TIMED_OUT, whichever of this thread and the session's clock check noticed first
+                sessions.expire(rid, "deadline exceeded")
+            if proceed:
+                sessions.op_finished(rid, ok=False, nbytes=0, seconds=time.perf_counter() - t0,
+                                     reason=why)
+            else:
+                sessions.fail(rid, why)
+            self._poison(why, d.group)
+            return
+        if proceed:
+            sessions.op_finished(rid, ok=True, nbytes=d.total_bytes,
+                                 seconds=time.perf_counter() - t0)
+
+    def _check(self, h: WireHeader, d: TransferDescriptor) -> None:
+        if (h.seq, h.transfer_id, h.ctx_request_id) != (d.seq, d.transfer_id, d.ctx_request_id):
+            raise ProtocolError(f"header {h} does not belong to transfer {d.transfer_id}")
+        planes = 2 * self.owner.pool.num_layers
+        if h.status == WireStatus.OK and d.num_blocks > 0 and (
+            h.num_blocks != d.num_blocks or h.bytes_per_block != d.bytes_per_block
+            or not 1 <= h.chunk_planes <= planes or not 1 <= h.chunk_blocks <= d.num_blocks
+            or (h.chunk_planes > 1 and h.chunk_blocks != d.num_blocks)
+        ):
+            raise ProtocolError(f"header {h} does not match the reserved blocks")
+
+    def _recv_payload(self, group: PairGroup, d: TransferDescriptor, mover: BlockMover,
+                      deadline: Deadline, *, land: bool) -> None:
+        """Recvs of later chunks stay posted while a chunk is scattered (staging -> pool); a
+        chunk contiguous in the pool is received into it directly. With land=False (session
+        cancelled or timed out before the payload) everything is drained into staging."""
+        chunks = mover.chunks
+        if land and len(set(d.gen_block_ids)) != len(d.gen_block_ids):
+            raise ValueError("duplicate generation block ids")
+        bufs = self.staging.get(mover.staging_bytes) if chunks else []
+        free = deque(range(len(bufs)))
+        posted: deque[tuple[int, dist.Work, int | None]] = deque()
+        nxt = 0
+        while nxt < len(chunks) or posted:
+            while nxt < len(chunks) and len(posted) < MAX_OUTSTANDING:
+                dst, slot = (mover.direct(chunks[nxt]) if land else None), None
+                if dst is None:
+                    if not free:
+                        break
+                    slot = free.popleft()
+                    dst = bufs[slot][: mover.nbytes(chunks[nxt])]
+                posted.append((nxt, group.recv(dst, wire_tag(d.seq, nxt + 1)), slot))
+                nxt += 1
+            i, work, slot = posted.popleft()
+            deadline.wait(work, "chunk recv")
+            if slot is not None:
+                if land:
+                    mover.scatter(chunks[i], bufs[slot])
+                free.append(slot)
+
+
+class KVReceiver:
+    """Generation worker's end of the KV transfer: one thread and one pair group per context
+    worker it receives from.
+
+    Executor calls, for a request in ``fitting_disagg_gen_init`` whose blocks it just allocated:
+    ``start(...)`` (reserve + request) -> send the returned KVRequest (``encode_message``) to the
+    context worker, feed its answer to ``handle``; ``poll`` each step (COMPLETE ->
+    DISAGG_GENERATION_TRANS_COMPLETE, other final states -> DISAGG_TRANS_ERROR, blocks free);
+    ``cancel`` on abort (forward the returned CancelTransfer to the context worker).
+    """
+
+    def __init__(self, worker_id: str, pool: KVPool, *, config: TransportConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.worker_id = worker_id
+        self.pool = pool
+        self.config = config or TransportConfig()
+        self.layout = layout_of(pool)
+        self.sessions = ReceiverSessions(worker_id, self.layout, clock=clock,
+                                         default_timeout_s=self.config.default_timeout_s)
+        # start time: a restarted worker's groups order after (and never reuse keys of) the old
+        self.incarnation = time.time_ns()
+        self._pairs: dict[str, _ReceiverPair] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        # Context endpoints known to be gone (restarted or dead), most recent last; bounded.
+        self._gone: dict[str, None] = {}
+        self._gone_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- peers that went away
+
+    def is_gone(self, endpoint: str) -> bool:
+        with self._gone_lock:
+            return endpoint in self._gone
+
+    def mark_gone(self, endpoint: str, *, _notify_pair: bool = True) -> None:
+        """``endpoint`` (a context worker's locator) will never answer again: queued ops for it
+        fail now and later requests carrying it are refused at once."""
+        with self._gone_lock:
+            self._gone[endpoint] = None
+            while len(self._gone) > MAX_GONE_ENDPOINTS:
+                del self._gone[next(iter(self._gone))]
+        if _notify_pair:
+            with self._lock:
+                pairs = list(self._pairs.values())
+            for pair in pairs:
+                pair.endpoint_gone(endpoint)
+
+    def pair_endpoint(self, ctx_worker_id: str) -> str | None:
+        """The endpoint the pair with this context worker currently uses (None: no pair yet)."""
+        with self._lock:
+            pair = self._pairs.get(ctx_worker_id)
+        return None if pair is None else pair.endpoint
+
+    def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
+                ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
+                num_cached_blocks: int = 0, timeout_s: float | None = None) -> None:
+        """``block_ids``: this request's blocks covering the context's blocks, in order; the
+        first ``num_cached_blocks`` already hold the KV (own prefix cache) and are not sent."""
+        self._pair(ctx_worker_id, ctx_endpoint)
+        self.sessions.reserve(gen_request_id, ctx_worker_id=ctx_worker_id,
+                              ctx_request_id=ctx_request_id, block_ids=block_ids,
+                              num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+
+    def request(self, gen_request_id: int) -> KVRequest:
+        """RESERVED -> REQUESTED: queue the receive on the pair thread and return the KV request
+        to send to the context worker (seq order = the order of these calls)."""
+        d = self.sessions.descriptor(gen_request_id)
+        if d is None:
+            raise KeyError(f"request {gen_request_id} has no reservation")
+        with self._lock:
+            pair = self._pairs[d.ctx_worker_id]
+        return pair.issue(gen_request_id)
+
+    def start(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
+              ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
+              num_cached_blocks: int = 0, timeout_s: float | None = None) -> KVRequest | None:
+        """``reserve`` then ``request``. None when ``ctx_endpoint`` is known to be gone: the
+        session is then already failed (``poll`` hands it back) and nothing is to be sent."""
+        if not self.is_gone(ctx_endpoint):
+            self._pair(ctx_worker_id, ctx_endpoint)  # may find ctx_endpoint stale
+        if self.is_gone(ctx_endpoint):
+            self.sessions.reserve(gen_request_id, ctx_worker_id=ctx_worker_id,
+                                  ctx_request_id=ctx_request_id, block_ids=block_ids,
+                                  num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+            self.sessions.fail(gen_request_id, f"context worker endpoint {ctx_endpoint} is gone "
+                                               "(the worker restarted; its KV is lost)")
+            return None
+        self.reserve(gen_request_id, ctx_worker_id=ctx_worker_id, ctx_endpoint=ctx_endpoint,
+                     ctx_request_id=ctx_request_id, block_ids=block_ids,
+                     num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+        return self.request(gen_request_id)
+
+    def handle(self, payload: bytes) -> None:
+        """The context worker's TransferDone. A refusal fails the session at once (blocks are
+        not written before a payload header, so they are free)."""
+        msg = decode_message(payload)
+        if not isinstance(msg, TransferDone):
+            raise ProtocolError(f"a generation worker does not take {type(msg).__name__}")
+        self.on_done(msg)
+
+    def on_done(self, done: TransferDone) -> None:
+        if done.ok:
+            return
+        rid = self.sessions.find_transfer(done.transfer_id, done.ctx_request_id)
+        if rid is not None:
+            self.sessions.fail(rid, f"context side: {done.reason}")
+
+    def cancel(self, gen_request_id: int, reason: str = "cancelled") -> CancelTransfer | None:
+        """Cancel; returns the message to forward to the context worker when a KV request had
+        gone out. An in-flight receive keeps its blocks quarantined until it is over."""
+        d = self.sessions.descriptor(gen_request_id)
+        if not self.sessions.cancel(gen_request_id, reason) or d is None or d.transfer_id < 0:
+            return None
+        return CancelTransfer(d.transfer_id, d.ctx_request_id, self.worker_id, reason)
+
+    def poll(self) -> list[TransferResult]:
+        return self.sessions.poll()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pairs.values())
+        for p in pairs:
+            p.stop()
+        for p in pairs:
+            p.thread.join(timeout_s)
+
+    def _pair(self, ctx_worker_id: str, endpoint: str) -> _ReceiverPair:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("transport closed")
+            pair = self._pairs.get(ctx_worker_id)
+            if pair is None:
+                pair = self._pairs[ctx_worker_id] = _ReceiverPair(self, ctx_worker_id, endpoint)
+        if not self.is_gone(endpoint):  # a stale endpoint never moves the pair back
+            pair.set_endpoint(endpoint)
+        return pair

@@ -1,0 +1,350 @@
+"""Context side of the KV data plane: ``KVSender`` owns the TCPStore that pair groups rendezvous
+on and one thread per generation worker (``_SenderPair``) that sends the KV requests' blocks,
+in seq order (pair protocol and failure rule: ``kv_groups``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
+    from ..workers.kv_pool import KVPool
+from .kv_groups import (
+    CTX_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
+    TransportConfig, as_timedelta, failure_reason, header_tensor, layout_of,
+)
+from .protocol import (
+    CancelTransfer, KVRequest, ProtocolError, SenderSessions, TransferDescriptor, TransferDone,
+    TransferRejected, TransferResult, WireHeader, WireStatus, choose_chunking,
+    consecutive_fraction, decode_message, encode_message, group_order, wire_tag,
+)
+
+SendHook = Callable[[TransferDescriptor, int], None]  # (descriptor, chunk index), sender thread
+RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy-free runs)
+
+
+@dataclass(slots=True)
+class _SendOp:
+    request: KVRequest
+    descriptor: TransferDescriptor | None  # None: refused, the op sends a header only
+    reason: str  # why refused; "" when claimed
+    deadline: Deadline
+    future: Future = field(default_factory=Future)
+
+
+class _SenderPair:
+    """Context side of one pair. Serves only the newest group the generation side uses, its ops
+    in seq order; an op that waits past its deadline for a missing predecessor poisons the group
+    (the generation side is then stuck on that seq too and rebuilds)."""
+
+    def __init__(self, owner: KVSender, gen_worker_id: str) -> None:
+        self.owner = owner
+        self.gen_worker_id = gen_worker_id
+        self.cond = threading.Condition()
+        self.pending: dict[str, dict[int, _SendOp]] = {}
+        self.current: str | None = None
+        self.next_seq = 0
+        self.retired: set[str] = set()
+        self.stopping = False
+        self.group: PairGroup | None = None  # touched by the pair thread only
+        self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
+        self._doomed: list[tuple[_SendOp, str]] = []
+        self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-send-{gen_worker_id}",
+                                       daemon=True)
+        self.thread.start()
+
+    def enqueue(self, op: _SendOp) -> None:
+        g, seq = op.request.group, op.request.seq
+        with self.cond:
+            if self.stopping:
+                reason = "transport closed"
+            elif g in self.retired or (self.current is not None
+                                       and group_order(g) < group_order(self.current)):
+                reason = f"pair group {g} was retired"
+            elif seq in self.pending.get(g, {}) or (g == self.current and seq < self.next_seq):
+                reason = f"duplicate seq {seq} on pair group {g}"
+            else:
+                self.pending.setdefault(g, {})[seq] = op
+                self.cond.notify()
+                return
+        self.owner._abandon(op, reason)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    # ------------------------------------------------------------ pair thread
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                op = self._next_locked()
+                doomed, self._doomed = self._doomed, []
+            for d_op, reason in doomed:
+                self.owner._abandon(d_op, reason)
+            if self.group is not None and self.group.name in self.retired:
+                self._drop_group()  # the peer's pending ops on it fail now, not at a deadline
+            if op is None:
+                if self.stopping:
+                    self._drop_group()
+                    return
+                continue
+            self._execute(op)
+
+    def _next_locked(self) -> _SendOp | None:
+        """The op to run next, or None when there is something to do outside the lock first."""
+        while True:
+            if self.stopping:
+                for g in list(self.pending):
+                    self._retire_locked(g, "transport closed")
+                return None
+            newer = [g for g in self.pending if g != self.current]
+            if newer:
+                newest = max(newer, key=group_order)
+                if self.current is None or group_order(newest) > group_order(self.current):
+                    for g in [self.current, *newer]:
+                        if g is not None and g != newest:
+                            self._retire_locked(g, "superseded by a newer pair group")
+                    self.current, self.next_seq = newest, 0
+            ops = self.pending.get(self.current, {}) if self.current is not None else {}
+            op = ops.pop(self.next_seq, None)
+            if op is not None:
+                return op
+            if self._doomed:
+                return None
+            if ops:  # later ops wait for a seq that has not arrived
+                wait_s = min(o.deadline.at for o in ops.values()) - time.monotonic()
+                if wait_s <= 0:
+                    assert self.current is not None
+                    self._retire_locked(self.current, f"seq {self.next_seq} never arrived")
+                    return None
+                self.cond.wait(wait_s)
+            else:
+                self.cond.wait()
+
+    def _retire_locked(self, g: str, reason: str) -> None:
+        self.retired.add(g)
+        self._doomed.extend((op, reason) for op in self.pending.pop(g, {}).values())
+
+    def _poison(self, reason: str) -> None:
+        with self.cond:
+            if self.current is not None:
+                self._retire_locked(self.current, f"pair group poisoned: {reason}")
+            doomed, self._doomed = self._doomed, []
+        self._drop_group()
+        for op, why in doomed:
+            self.owner._abandon(op, why)
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None
+        self.staging.drop()
+
+    def _ensure_group(self, name: str, deadline: Deadline) -> PairGroup:
+        if self.group is not None and self.group.name == name:
+            return self.group
+        self._drop_group()
+        left = min(self.owner.config.connect_timeout_s, deadline.left("rendezvous").total_seconds())
+        self.group = PairGroup(self.owner._store, name, CTX_RANK, self.owner.pool.device, left)
+        return self.group
+
+    def _execute(self, op: _SendOp) -> None:
+        req, d, sessions, pool = op.request, op.descriptor, self.owner.sessions, self.owner.pool
+        proceed, t0 = False, time.perf_counter()
+        try:
+            group = self._ensure_group(req.group, op.deadline)
+            proceed = d is not None and sessions.begin_op(d.ctx_request_id)
+            if proceed:
+                assert d is not None
+                status, reason = WireStatus.OK, ""
+                runs = max(consecutive_fraction(d.ctx_block_ids),
+                           consecutive_fraction(d.gen_block_ids)) >= RUNS_THRESHOLD
+                planes, blocks = choose_chunking(2 * pool.num_layers, d.num_blocks,
+                                                 pool.bytes_per_block // (2 * pool.num_layers),
+                                                 self.owner.config.chunk_bytes, runs=runs)
+            else:
+                status = WireStatus.REJECTED if d is None else WireStatus.CANCELLED
+                reason = op.reason or "cancelled or past its deadline before the send"
+                planes = blocks = 0
+            nblocks = d.num_blocks if proceed and d is not None else 0
+            header = WireHeader(req.seq, int(status), req.transfer_id, req.ctx_request_id,
+                                nblocks, pool.bytes_per_block, planes, blocks)
+            t0 = time.perf_counter()
+            hdr = header_tensor(pool.device, header.to_ints())
+            hdr_work = group.send(hdr, wire_tag(req.seq, 0))  # payload follows without waiting
+            if proceed:
+                assert d is not None
+                self._send_payload(group, d, BlockMover(pool, d.ctx_block_ids, planes, blocks),
+                                   op.deadline)
+            op.deadline.wait(hdr_work, "header send")
+        except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
+            why = failure_reason(exc)
+            if proceed and d is not None:
+                sessions.op_finished(d.ctx_request_id, ok=False, nbytes=0,
+                                     seconds=time.perf_counter() - t0, reason=why)
+            self._poison(why)
+            self.owner._abandon(op, why, fail_session=not proceed)
+            return
+        seconds = time.perf_counter() - t0
+        nbytes = d.total_bytes if proceed and d is not None else 0
+        with self.cond:
+            self.next_seq += 1
+        if proceed and d is not None:
+            sessions.op_finished(d.ctx_request_id, ok=True, nbytes=nbytes, seconds=seconds)
+        op.future.set_result(TransferDone(req.transfer_id, req.ctx_request_id, proceed, reason,
+                                          nbytes, seconds))
+
+    def _send_payload(self, group: PairGroup, d: TransferDescriptor, mover: BlockMover,
+                      deadline: Deadline) -> None:
+        """Gather the next chunk (pool -> staging) while earlier ones are on the wire; chunks
+        contiguous in the pool are sent from it directly. A staging buffer is reused only after
+        its send completed."""
+        hook = self.owner.send_hook
+        bufs = self.staging.get(mover.staging_bytes)
+        free = deque(range(len(bufs)))
+        pending: deque[tuple[dist.Work, int | None]] = deque()
+
+        def retire_oldest() -> None:
+            work, slot = pending.popleft()
+            deadline.wait(work, "chunk send")
+            if slot is not None:
+                free.append(slot)
+
+        for i, c in enumerate(mover.chunks):
+            src, slot = mover.direct(c), None
+            if src is None:
+                while not free:
+                    retire_oldest()
+                slot = free.popleft()
+                src = mover.gather(c, bufs[slot])
+            while len(pending) >= MAX_OUTSTANDING:
+                retire_oldest()
+            if hook is not None:
+                hook(d, i)
+            pending.append((group.send(src, wire_tag(d.seq, i + 1)), slot))
+        while pending:
+            retire_oldest()
+
+
+class KVSender:
+    """Context worker's end of the KV transfer. Owns the TCPStore that the pair groups rendezvous
+    on (its address is ``endpoint``, advertised in the context-phase params) and one thread per
+    generation worker that asked for blocks.
+
+    Executor calls: ``hold`` when a context-only request finishes (state
+    DISAGG_CONTEXT_TRANS_IN_PROGRESS), ``poll`` each step (SENT -> DISAGG_CONTEXT_COMPLETE, any
+    other final state -> DISAGG_TRANS_ERROR; the result's blocks may be freed), ``cancel`` on
+    abort. Control plane (Ray method in the transfer concurrency group): ``handle(bytes)``.
+    """
+
+    def __init__(self, worker_id: str, pool: KVPool, *, config: TransportConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 send_hook: SendHook | None = None) -> None:
+        self.worker_id = worker_id
+        self.pool = pool
+        self.config = config or TransportConfig()
+        self.layout = layout_of(pool)
+        self.send_hook = send_hook  # test hook: runs before each chunk is sent (stall, fail, ...)
+        self.sessions = SenderSessions(worker_id, self.layout, clock=clock,
+                                       lease_s=self.config.default_timeout_s)
+        self._store = dist.TCPStore(self.config.host, self.config.port, None, True,
+                                    as_timedelta(self.config.connect_timeout_s), wait_for_workers=False)
+        self.endpoint = f"{self.config.host}:{self._store.port}"
+        # A restarted worker may get the same port: the incarnation tells the two apart (and
+        # orders them: a later process has a larger one).
+        self.incarnation = time.time_ns()
+        self.locator = f"{self.endpoint}#{self.incarnation}"
+        self._store.set(INCARNATION_KEY, str(self.incarnation))
+        self._pairs: dict[str, _SenderPair] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def hold(self, ctx_request_id: int, block_ids: list[int] | tuple[int, ...], *,
+             lease_s: float | None = None) -> None:
+        """Lease a finished context request's blocks until a KV request claims them."""
+        self.sessions.lease(ctx_request_id, block_ids, lease_s=lease_s)
+
+    def submit(self, request: KVRequest) -> Future:
+        """Queue the send a KV request asks for; the future resolves to a TransferDone when the
+        bytes are on the wire (or the op failed). A refused request still sends a header."""
+        op_deadline = Deadline(request.timeout_s)
+        try:
+            group_order(request.group)
+        except ProtocolError as exc:
+            op = _SendOp(request, None, str(exc), op_deadline)
+            self._abandon(op, str(exc))
+            return op.future
+        try:
+            op = _SendOp(request, self.sessions.claim(request), "", op_deadline)
+        except TransferRejected as exc:
+            op = _SendOp(request, None, str(exc), op_deadline)
+        self._pair(request.gen_worker_id).enqueue(op)
+        return op.future
+
+    def cancel(self, ctx_request_id: int, reason: str = "cancelled", *,
+               transfer_id: int | None = None, gen_worker_id: str | None = None) -> bool:
+        """Cancel a lease or a claimed send. With transfer_id/gen_worker_id given (a cancel from
+        a generation worker) a session claimed by another transfer is left alone."""
+        d = self.sessions.descriptor(ctx_request_id)
+        if d is not None and (
+            (transfer_id is not None and d.transfer_id != transfer_id)
+            or (gen_worker_id is not None and d.gen_worker_id != gen_worker_id)
+        ):
+            return False
+        return self.sessions.cancel(ctx_request_id, reason)
+
+    def handle(self, payload: bytes) -> bytes | None:
+        """A control message from a generation worker: a KV request (answered with an encoded
+        TransferDone once the send is over) or a cancel (no answer)."""
+        msg = decode_message(payload)
+        if isinstance(msg, CancelTransfer):
+            self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
+                        gen_worker_id=msg.gen_worker_id)
+            return None
+        if not isinstance(msg, KVRequest):
+            raise ProtocolError(f"a context worker does not take {type(msg).__name__}")
+        future = self.submit(msg)
+        try:  # the pair thread's waits are bounded; this margin covers the rendezvous
+            done = future.result(timeout=msg.timeout_s + self.config.connect_timeout_s + 5.0)
+        except TimeoutError:
+            done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                "pair thread did not answer in time", 0, 0.0)
+        return encode_message(done)
+
+    def poll(self) -> list[TransferResult]:
+        return self.sessions.poll()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+            pairs = list(self._pairs.values())
+        for p in pairs:
+            p.stop()
+        for p in pairs:
+            p.thread.join(timeout_s)
+
+    def _pair(self, gen_worker_id: str) -> _SenderPair:
+        with self._lock:
+            pair = self._pairs.get(gen_worker_id)
+            if pair is None:
+                pair = self._pairs[gen_worker_id] = _SenderPair(self, gen_worker_id)
+                if self._closed:
+                    pair.stop()
+            return pair
+
+    def _abandon(self, op: _SendOp, reason: str, *, fail_session: bool = True) -> None:
+        """An op that will not (or did not) send its payload: fail its session, answer."""
+        if fail_session and op.descriptor is not None:
+            self.sessions.fail(op.descriptor.ctx_request_id, reason)
+        if not op.future.done():
+            op.future.set_result(TransferDone(op.request.transfer_id, op.request.ctx_request_id,
+                                              False, reason, 0, 0.0))
+
