@@ -4,7 +4,7 @@ A pause-heavy workload (MAX_UTILIZATION, a KV pool that holds a fraction of the 
 through the real executor with the built-in tiny model. The executor's ``WorkerEvents`` is
 replaced by one that times each of its calls (the log line to a file, as a worker actor writes
 to its stderr, plus the record for the router), and once per 0.5 s of work the worker's
-heartbeat status is built and msgpack-encoded as the request channel does. Printed:
+heartbeat status is built (``host.worker_status``) and encoded as the request channel does. Printed:
 
 - events per step, and microseconds per event (pause, resume);
 - microseconds per heartbeat status, and that cost spread over the steps of 0.5 s;
@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    import msgpack
-
     from pdserve.traces import fit_scale, load_trace, synth_prompt
     from pdserve.cluster.launch import builtin_model_dir
     from pdserve.workers import events as E
     from pdserve.workers.config import EngineConfig
+    from pdserve.transport.requests import Heartbeat, encode_frame
     from pdserve.workers.engine import build_executor
+    from pdserve.workers.host import worker_status
     from pdserve.workers.sampling import SamplingParams
     from pdserve.scheduler import LlmRequest
 
@@ -95,10 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() >= next_status:  # the heartbeat's share, every 0.5 s of work
             next_status = time.monotonic() + 0.5
             t0 = time.perf_counter()
-            status = executor.status()
-            status["transfers"] = None
-            status["events"] = executor.events.drain()
-            msgpack.packb(status, use_bin_type=True)
+            status = worker_status(executor, "gen-0", "generation", config, incarnation=1,
+                                   healthy=True, drain_events=True)
+            encode_frame(Heartbeat(status))
             status_seconds += time.perf_counter() - t0
             statuses += 1
     sink.close()

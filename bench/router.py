@@ -41,36 +41,36 @@ def _worker_hops(worker, prompts) -> tuple[list[float], list[float]]:
     import ray
 
     from pdserve.cluster.worker_channel import WorkerChannel
+    from pdserve.transport.requests import WireRequest, WireSampling
 
     info = ray.get(worker.info.remote(), timeout=60)
     ids = iter(range(1 << 40, 1 << 41))  # far from the router's attempt ids
+    greedy = WireSampling(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def wire(prompt):
-        return {"request_id": next(ids), "prompt": prompt, "max_new_tokens": 1, "deadline_s": 60.0,
-                "type": "CONTEXT_AND_GENERATION",
-                "sampling": {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}}
+        return WireRequest(next(ids), None, prompt, 1, deadline_s=60.0, sampling=greedy)
 
     async def run():
-        channel = WorkerChannel("bench", info["request_endpoint"], info["request_token"])
+        channel = WorkerChannel("bench", info.request_endpoint, info.request_token)
         await channel.connect(10.0)
         by_channel, by_ray = [], []
         try:
             for i, p in enumerate(prompts):
                 w = wire(p)
                 t0 = time.perf_counter()
-                updates = channel.attempt(w["request_id"])
+                updates = channel.attempt(w.request_id)
                 channel.generate(w)
                 while True:
                     async with asyncio.timeout(60):
-                        frame = await updates.get()
-                    if frame["u"]["finished"]:
+                        update = await updates.get()
+                    if update.finished:
                         break
-                channel.forget(w["request_id"])
+                channel.forget(w.request_id)
                 if i >= 10:
                     by_channel.append((time.perf_counter() - t0) * 1000)
                 t0 = time.perf_counter()
                 async for ref in worker.generate.remote(wire(p)):
-                    if (await ref)["finished"]:
+                    if (await ref).finished:
                         break
                 if i >= 10:
                     by_ray.append((time.perf_counter() - t0) * 1000)

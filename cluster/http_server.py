@@ -272,6 +272,6 @@ class _RouterCollector:
         yield GaugeMetricFamily("pdserve_router_serving", "1 while health is SERVING.", value=int(r.serving))
         healthy = GaugeMetricFamily("pdserve_worker_healthy", "1 while the router routes to the worker.",
                                     labels=["worker"])
-        for worker_id, load in sorted(r.loads.items()):
+        for worker_id, load in sorted(r.registry.loads.items()):
             healthy.add_metric([worker_id], int(load.healthy))
         yield healthy

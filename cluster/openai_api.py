@@ -16,12 +16,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .policies import (
+from .policies import DisaggregationMode
+from .validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PRIORITY,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
-    DisaggregationMode,
     GenerateSpec,
 )
 

@@ -1,8 +1,9 @@
-"""Router decisions: worker selection, conditional disaggregation, retries, request validation.
+"""Router decisions: worker selection, conditional disaggregation, retries (request validation:
+``validation.py``).
 
 TensorRT-LLM disaggregated-server semantics (reference trtllm-scheduling.md section 7.5) where the
 reference is exact. PURE: stdlib only (no torch, ray, grpc, numpy), so every routing decision is
-unit-tested in milliseconds; cluster/router.py feeds in load snapshots and carries the choices out.
+unit-tested in milliseconds; cluster/router/ feeds in load snapshots and carries the choices out.
 
 Determinism: every policy breaks ties by ``worker_id`` (string order), never by dict or set order,
 so the same snapshots always give the same choice. Only RoundRobinPolicy keeps state (its position).
@@ -10,20 +11,13 @@ so the same snapshots always give the same choice. Only RoundRobinPolicy keeps s
 from __future__ import annotations
 
 import enum
-import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable, NamedTuple, Protocol, Sequence
 
 from pdserve.scheduler.block_hash import block_hashes, chain_block_hash  # noqa: F401 (re-exported)
-from pdserve.scheduler.reorder import ACCEPTED_AGENT_TYPE_NAMES
 
 DEFAULT_TOKENS_PER_BLOCK = 32  # TensorRT-LLM kv_cache_aware router default
 DEFAULT_MAX_BATCH_SIZE = 64  # TensorRT-LLM kv_cache_aware router default (load penalty divisor)
-DEFAULT_PRIORITY = 0.5
-DEFAULT_MAX_TOKENS = 16  # same default as pdserve.SamplingParams
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
 CONTEXT_POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_cache_aware")
 
 
@@ -345,213 +339,3 @@ def plan_retry(
             best = min(local, key=lambda g: (g in failed_gen, gens.index(g)))
             return RetryPlan(RetryAction.LOCAL_PREFILL, None, best, "local prefill fallback")
     return RetryPlan(RetryAction.GIVE_UP, None, None, "no untried healthy worker")
-
-
-# ---- request validation -------------------------------------------------------------------------
-
-class ValidationError(ValueError):
-    """A malformed request; ``field`` is the dotted path of the offending field (the router maps
-    this to gRPC INVALID_ARGUMENT with str(error) as the details)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class ValidationLimits:
-    vocab_size: int | None = None  # None skips the vocabulary checks
-    max_input_len: int | None = None  # prompt tokens
-    max_seq_len: int | None = None  # prompt + max_tokens
-    max_tokens_limit: int = 1 << 16
-    max_stop_token_ids: int = 32
-    max_stop_strings: int = 4  # OpenAI's limit
-    max_stop_string_chars: int = 256
-    max_agent_depth: int = 8
-    max_request_id_len: int = 128
-    max_text_chars: int = 1 << 22  # before tokenization; the token limit is checked after it
-    max_deadline_ms: int = 24 * 3600 * 1000
-
-
-@dataclass(frozen=True, slots=True)
-class GenerateSpec:
-    """A Generate request as plain values with the API defaults applied (rpc.spec_from_proto
-    builds one from the proto message)."""
-
-    request_id: str | None = None
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one (OpenAI's rule)
-    priority: float = DEFAULT_PRIORITY
-    agent_hierarchy: tuple[tuple[str, int], ...] = ()
-    disaggregation: int = DisaggregationMode.AUTO
-    deadline_ms: int | None = None
-
-
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
-_SEED_LIMIT = 1 << 63  # same range as pdserve.SamplingParams
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def validate_request_id(request_id: str | None, limits: ValidationLimits = ValidationLimits()
-                        ) -> None:
-    """None means unset (the router assigns one); a set id is 1..max_request_id_len characters of
-    [A-Za-z0-9._:-], starting with a letter or digit."""
-    if request_id is None:
-        return
-    if not isinstance(request_id, str) or not request_id:
-        raise ValidationError("request_id", "must be a non-empty string when set")
-    if len(request_id) > limits.max_request_id_len:
-        raise ValidationError("request_id", f"longer than {limits.max_request_id_len} characters")
-    if not _REQUEST_ID_RE.fullmatch(request_id):
-        raise ValidationError("request_id", "may only hold [A-Za-z0-9._:-] and must start with a "
-                              "letter or digit")
-
-
-def validate_token_ids(token_ids: Sequence[int], limits: ValidationLimits,
-                       field: str = "prompt.token_ids") -> None:
-    """Non-empty, ids in [0, vocab_size), at most max_input_len. The router calls this again on
-    the tokens of a text prompt."""
-    if len(token_ids) == 0:
-        raise ValidationError(field, "must not be empty")
-    if limits.max_input_len is not None and len(token_ids) > limits.max_input_len:
-        raise ValidationError(field, f"{len(token_ids)} tokens exceed max_input_len="
-                              f"{limits.max_input_len}")
-    upper = limits.vocab_size
-    for i, t in enumerate(token_ids):
-        if not _is_int(t) or t < 0 or (upper is not None and t >= upper):
-            raise ValidationError(f"{field}[{i}]", f"token id {t!r} is outside [0, {upper})")
-
-
-def validate_prompt(text: str | None, token_ids: Sequence[int] | None,
-                    limits: ValidationLimits = ValidationLimits()) -> None:
-    """Exactly one of text and token_ids."""
-    if (text is None) == (token_ids is None):
-        raise ValidationError("prompt", "give exactly one of text and token_ids")
-    if text is not None:
-        if not isinstance(text, str) or not text:
-            raise ValidationError("prompt.text", "must be a non-empty string")
-        if len(text) > limits.max_text_chars:
-            raise ValidationError("prompt.text", f"longer than {limits.max_text_chars} characters")
-    else:
-        validate_token_ids(token_ids, limits)  # type: ignore[arg-type]
-
-
-def validate_sampling(
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = DEFAULT_TOP_P,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop_token_ids: Sequence[int] = (),
-    limits: ValidationLimits = ValidationLimits(),
-    prompt_len: int | None = None,
-) -> None:
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ValidationError("sampling.max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
-    if max_tokens > limits.max_tokens_limit:
-        raise ValidationError("sampling.max_tokens", f"{max_tokens} exceeds the limit "
-                              f"{limits.max_tokens_limit}")
-    if (prompt_len is not None and limits.max_seq_len is not None
-            and prompt_len + max_tokens > limits.max_seq_len):
-        raise ValidationError("sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens "
-                              f"({max_tokens}) exceeds max_seq_len={limits.max_seq_len}")
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ValidationError("sampling.temperature", f"must be finite and >= 0, got {temperature!r}")
-    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison
-        raise ValidationError("sampling.top_p", f"must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
-        raise ValidationError("sampling.top_k", f"must be an integer >= 0 (0 disables), got {top_k!r}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
-        raise ValidationError("sampling.seed", f"must be in [0, 2**63), got {seed!r}")
-    if len(stop_token_ids) > limits.max_stop_token_ids:
-        raise ValidationError("sampling.stop_token_ids", f"more than {limits.max_stop_token_ids} ids")
-    upper = limits.vocab_size
-    for i, t in enumerate(stop_token_ids):
-        if not _is_int(t) or t < 0 or (upper is not None and t >= upper):
-            raise ValidationError(f"sampling.stop_token_ids[{i}]", f"token id {t!r} is outside "
-                                  f"[0, {upper})")
-
-
-def validate_stop_strings(stop: Sequence[str], limits: ValidationLimits = ValidationLimits()) -> None:
-    if len(stop) > limits.max_stop_strings:
-        raise ValidationError("sampling.stop", f"{len(stop)} stop strings; at most {limits.max_stop_strings}")
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not s:
-            raise ValidationError(f"sampling.stop[{i}]", "must be a non-empty string")
-        if len(s) > limits.max_stop_string_chars:
-            raise ValidationError(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
-
-
-def validate_priority(priority: float) -> None:
-    if not _is_real(priority) or not 0.0 <= priority <= 1.0:  # NaN and inf fail the comparison
-        raise ValidationError("priority", f"must be a finite number in [0, 1], got {priority!r}")
-
-
-def validate_agent_hierarchy(levels: Sequence[tuple[str, int]],
-                             limits: ValidationLimits = ValidationLimits()) -> None:
-    """Each level names a known agent type (UpperCamelCase or snake_case) and a node id >= 0."""
-    if len(levels) > limits.max_agent_depth:
-        raise ValidationError("agent_hierarchy", f"{len(levels)} levels exceed the depth limit "
-                              f"{limits.max_agent_depth}")
-    for i, level in enumerate(levels):
-        if not isinstance(level, (tuple, list)) or len(level) != 2:
-            raise ValidationError(f"agent_hierarchy[{i}]", "must be an (agent_type, node_id) pair")
-        agent_type, node_id = level
-        if not isinstance(agent_type, str) or not agent_type:
-            raise ValidationError(f"agent_hierarchy[{i}].agent_type", "must be a non-empty string")
-        if agent_type not in ACCEPTED_AGENT_TYPE_NAMES:
-            raise ValidationError(f"agent_hierarchy[{i}].agent_type", f"unknown agent type "
-                                  f"{agent_type!r}")
-        if not _is_int(node_id) or not 0 <= node_id < _SEED_LIMIT:
-            raise ValidationError(f"agent_hierarchy[{i}].node_id", f"must be an integer in "
-                                  f"[0, 2**63), got {node_id!r}")
-
-
-def validate_disaggregation(mode: int) -> DisaggregationMode:
-    if not _is_int(mode) or mode not in {m.value for m in DisaggregationMode}:
-        raise ValidationError("disaggregation", f"must be AUTO (0), ALWAYS (1) or NEVER (2), "
-                              f"got {mode!r}")
-    return DisaggregationMode(mode)
-
-
-def validate_deadline_ms(deadline_ms: int | None, limits: ValidationLimits = ValidationLimits()
-                         ) -> None:
-    """None means no deadline beyond the gRPC call's own."""
-    if deadline_ms is None:
-        return
-    if not _is_int(deadline_ms) or not 0 < deadline_ms <= limits.max_deadline_ms:
-        raise ValidationError("deadline_ms", f"must be an integer in [1, {limits.max_deadline_ms}], "
-                              f"got {deadline_ms!r}")
-
-
-def validate_generate_spec(spec: GenerateSpec, limits: ValidationLimits = ValidationLimits()
-                           ) -> None:
-    """Every rule above, in field order; raises the first ValidationError."""
-    validate_request_id(spec.request_id, limits)
-    validate_prompt(spec.text, spec.token_ids, limits)
-    validate_sampling(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                      top_k=spec.top_k, seed=spec.seed, stop_token_ids=spec.stop_token_ids,
-                      limits=limits,
-                      prompt_len=len(spec.token_ids) if spec.token_ids is not None else None)
-    validate_stop_strings(spec.stop, limits)
-    validate_priority(spec.priority)
-    validate_agent_hierarchy(spec.agent_hierarchy, limits)
-    validate_disaggregation(spec.disaggregation)
-    validate_deadline_ms(spec.deadline_ms, limits)

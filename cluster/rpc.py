@@ -30,7 +30,7 @@ from pdserve.proto.stubs import (
     stubs_are_current,
 )
 
-from .policies import (
+from .validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PRIORITY,
     DEFAULT_TEMPERATURE,
@@ -103,7 +103,7 @@ router_pb2, router_pb2_grpc = _load_stubs()
 
 def spec_from_proto(request: router_pb2.GenerateRequest) -> GenerateSpec:  # type: ignore[name-defined]
     """Plain values with the API defaults for unset optional fields; validate the result with
-    policies.validate_generate_spec."""
+    validation.validate_generate_spec."""
     sampling = request.sampling
     prompt = request.WhichOneof("prompt")
     return GenerateSpec(

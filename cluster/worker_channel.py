@@ -1,12 +1,16 @@
-"""The router's end of a worker's request channel (``workers/request_channel.py`` has the frames
-and why the path is a socket, not a Ray call): one asyncio connection per worker process, one
-reader task that hands each update to the attempt it belongs to.
+"""The router's end of a worker's request channel (``transport/requests.py`` has the frames,
+``workers/channel_server.py`` why the path is a socket, not a Ray call): one asyncio connection
+per worker process, one reader task that hands each update to the attempt it belongs to.
+
+``connect`` sends the hello (protocol version and token) and waits for the worker's ack; a
+worker that speaks another version, or refuses the token, raises ``ChannelRefused``.
 
 A closed connection (the worker died, or the socket broke) ends every attempt on it at once with
 CLOSED, long before any timeout; the router then treats the worker as failed for those attempts.
 
-Heartbeats carry the worker's status; the newest is kept in ``status`` (with ``status_at``) and
-handed to ``on_status``, which is how the router learns loads and events without Ray calls.
+Heartbeats carry the worker's ``WorkerStatus``; the newest is kept in ``status`` (with
+``status_at``) and handed to ``on_status``, which is how the router learns loads and events
+without Ray calls.
 """
 from __future__ import annotations
 
@@ -15,9 +19,26 @@ import itertools
 import logging
 import socket
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from pdserve.transport.channel_frames import frame_unpacker, pack_frame
+from pdserve.transport.requests import (
+    PROTOCOL_VERSION,
+    Abort,
+    Frame,
+    FrameReader,
+    Generate,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    ProtocolError,
+    Refused,
+    StatusQuery,
+    StatusReply,
+    Update,
+    WireRequest,
+    WorkerStatus,
+    encode_frame,
+)
 
 log = logging.getLogger("pdserve.worker_channel")
 
@@ -28,20 +49,24 @@ class ChannelClosed(ConnectionError):
     """The connection to the worker ended; ``str`` says why."""
 
 
-CLOSED = object()  # put on an attempt's queue when the connection ends
+class ChannelRefused(ConnectionError):
+    """The worker refused the hello (another protocol version, or a wrong token)."""
+
+
+CLOSED = object()  # put on an attempt's queue when the connection ends (else: WireUpdate)
 _status_ids = itertools.count(1)
 
 
 class WorkerChannel:
     def __init__(self, worker_id: str, endpoint: str, token: str,
-                 on_status: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_status: Callable[[str, WorkerStatus], None] | None = None) -> None:
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.token = token
         self.on_status = on_status
         self.closed_reason: str | None = None
         self.last_heard = time.monotonic()  # any bytes from the worker (heartbeats included)
-        self.status: dict[str, Any] | None = None  # the newest heartbeat's status
+        self.status: WorkerStatus | None = None  # the newest heartbeat's status
         self.status_at = 0.0  # time.monotonic() it arrived
         self.connected_at = time.monotonic()
         self._attempts: dict[int, asyncio.Queue] = {}
@@ -53,17 +78,43 @@ class WorkerChannel:
         return self._writer is not None and self.closed_reason is None
 
     async def connect(self, timeout_s: float) -> None:
+        """Open the connection and shake hands, all within ``timeout_s``."""
         host, port = self.endpoint.rsplit(":", 1)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
-        sock = writer.get_extra_info("socket")
-        if sock is not None:  # small frames must leave at once (no Nagle delay)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:  # small frames must leave at once (no Nagle delay)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                writer.write(encode_frame(Hello(PROTOCOL_VERSION, self.token)))
+                frames = FrameReader()
+                ack = await self._first_frame(reader, frames)
+            except BaseException:
+                writer.close()
+                raise
+        if isinstance(ack, Refused):
+            writer.close()
+            raise ChannelRefused(f"{self.worker_id} ({self.endpoint}) refused the request "
+                                 f"channel: {ack.reason}")
+        if not isinstance(ack, HelloAck) or ack.version != PROTOCOL_VERSION:
+            writer.close()
+            raise ChannelRefused(f"{self.worker_id} ({self.endpoint}) answered the hello with {ack!r:.200}")
         self._writer = writer
         self.last_heard = self.connected_at = time.monotonic()
-        writer.write(pack_frame({"op": "hello", "token": self.token}))
-        self._reader_task = asyncio.create_task(self._read(reader),
+        self._reader_task = asyncio.create_task(self._read(reader, frames),
                                                 name=f"pdserve-channel-{self.worker_id}")
+
+    @staticmethod
+    async def _first_frame(reader: asyncio.StreamReader, frames: FrameReader) -> Frame:
+        """The worker's answer to the hello; frames after it stay in ``frames``."""
+        while True:
+            data = await reader.read(READ_BYTES)
+            if not data:
+                raise ConnectionResetError("the worker closed the connection during the hello")
+            frames.feed(data)
+            for frame in frames:
+                return frame
 
     def attempt(self, attempt_id: int) -> asyncio.Queue:
         """The queue that receives this attempt's frames (and CLOSED if the connection ends)."""
@@ -76,65 +127,77 @@ class WorkerChannel:
     def forget(self, attempt_id: int) -> None:
         self._attempts.pop(attempt_id, None)
 
-    def generate(self, wire: dict[str, Any]) -> None:
-        self._write({"op": "generate", "wire": wire})
+    def generate(self, wire: WireRequest) -> None:
+        self._write(Generate(wire))
 
-    async def fresh_status(self, timeout_s: float) -> dict[str, Any]:
+    async def fresh_status(self, timeout_s: float) -> WorkerStatus:
         """The worker's status as of its last step (asked now, answered between two steps);
         raises TimeoutError, or ChannelClosed if the connection ends first."""
         sid = -next(_status_ids)  # attempt ids are positive
         q = self.attempt(sid)
         try:
-            self._write({"op": "status", "id": sid})
+            self._write(StatusQuery(sid))
             async with asyncio.timeout(timeout_s):
                 frame = await q.get()
             if frame is CLOSED:
                 raise ChannelClosed(self.closed_reason or "closed")
-            return frame["status"]
+            return frame
         finally:
             self.forget(sid)
 
     def abort(self, attempt_id: int) -> None:
-        self._write({"op": "abort", "id": attempt_id})
+        self._write(Abort(attempt_id))
 
     def close(self, reason: str = "closed by the router") -> None:
         if self._reader_task is not None:
             self._reader_task.cancel()
         self._end(reason)
 
-    def _write(self, frame: dict[str, Any]) -> None:
+    def _write(self, frame: Frame) -> None:
         if not self.open:
             raise ChannelClosed(self.closed_reason or "not connected")
         # The transport buffers; frames are small, and a worker that stops reading shows up as a
         # closed connection or as the router's per-update timeout.
-        self._writer.write(pack_frame(frame))
+        self._writer.write(encode_frame(frame))
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        frames = frame_unpacker()
+    async def _read(self, reader: asyncio.StreamReader, frames: FrameReader) -> None:
         why = "the worker closed the connection"
         try:
+            self._dispatch(frames)  # what arrived together with the ack
             while True:
                 data = await reader.read(READ_BYTES)
                 if not data:
                     break
                 self.last_heard = time.monotonic()
                 frames.feed(data)
-                for frame in frames:
-                    if not isinstance(frame, dict):
-                        continue
-                    if isinstance(frame.get("status"), dict):  # a heartbeat or a status answer
-                        self._on_heartbeat(frame["status"])
-                    q = self._attempts.get(frame.get("id"))
-                    if q is not None:
-                        q.put_nowait(frame)
+                self._dispatch(frames)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # broken socket or a garbled stream: either way it is over
+        except ProtocolError as exc:  # the stream cannot be trusted after a bad frame
+            why = f"request channel: protocol error from the worker: {exc}"
+        except Exception as exc:  # broken socket: either way it is over
             why = f"request channel failed: {exc!r}"
         finally:
             self._end(why)
 
-    def _on_heartbeat(self, status: dict[str, Any]) -> None:
+    def _dispatch(self, frames: FrameReader) -> None:
+        attempts = self._attempts
+        for frame in frames:
+            if type(frame) is Update:
+                q = attempts.get(frame.update.request_id)
+                if q is not None:
+                    q.put_nowait(frame.update)
+            elif type(frame) is Heartbeat:
+                self._on_heartbeat(frame.status)
+            elif type(frame) is StatusReply:
+                self._on_heartbeat(frame.status)
+                q = attempts.get(frame.query_id)
+                if q is not None:
+                    q.put_nowait(frame.status)
+            else:
+                raise ProtocolError(f"a router does not take {type(frame).__name__} frames")
+
+    def _on_heartbeat(self, status: WorkerStatus) -> None:
         self.status, self.status_at = status, time.monotonic()
         if self.on_status is not None:
             try:

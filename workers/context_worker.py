@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from .actor_base import WorkerActorBase
+from .ray_worker import RayWorker
 
 # Requests arrive over the request channel, not as Ray calls; a direct caller's streaming
 # generate() holds a default-group thread for the request's lifetime, so that group is wide.
@@ -13,32 +13,32 @@ CONCURRENCY_GROUPS = {"transfer": 8, "control": 8}
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS)
-class ContextWorker(WorkerActorBase):
+class ContextWorker(RayWorker):
     role = "context"
 
     @ray.method(concurrency_group="transfer")
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
-        return WorkerActorBase.kv_transfer(self, payload, endpoint)
+        return RayWorker.kv_transfer(self, payload, endpoint)
 
     @ray.method(concurrency_group="control")
     def abort(self, request_id: int) -> bool:
-        return WorkerActorBase.abort(self, request_id)
+        return RayWorker.abort(self, request_id)
 
     @ray.method(concurrency_group="control")
     def status(self) -> dict:
-        return WorkerActorBase.status(self)
+        return RayWorker.status(self)
 
     @ray.method(concurrency_group="control")
     def cached_block_hashes(self) -> list[int]:
-        return WorkerActorBase.cached_block_hashes(self)
+        return RayWorker.cached_block_hashes(self)
 
     @ray.method(concurrency_group="control")
     def request_states(self) -> dict:
-        return WorkerActorBase.request_states(self)
+        return RayWorker.request_states(self)
 
     @ray.method(concurrency_group="control")
     def test_hook(self, name: str, *args):
-        return WorkerActorBase.test_hook(self, name, *args)
+        return RayWorker.test_hook(self, name, *args)
 
     @ray.method(concurrency_group="control")
     def ping(self) -> str:

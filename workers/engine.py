@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -13,9 +14,11 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from pdserve.scheduler import LlmRequest
+from pdserve.transport.requests import WireUpdate
 
 from .config import EngineConfig
-from .executor import Executor, RequestUpdate
+
+from .executor import Executor
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model, resolve_dtype
 from .sampling import SamplingParams
@@ -79,6 +82,37 @@ def build_executor(
     return loaded, executor
 
 
+def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedModel,
+                          config: EngineConfig, *, lease_s: float = 30.0,
+                          transfer_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                          stall_send_s: Callable[[], float] | None = None) -> tuple[LoadedModel, Executor]:
+    """A disaggregated worker's executor: a KV sender for role "context", a receiver for
+    "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
+    each send's first chunk (fault injection: the send stalls while it is above 0)."""
+    from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
+
+    def hook(descriptor, chunk_index):
+        # Re-read while waiting, so turning the stall off releases a stalled send.
+        start = time.monotonic()
+        while chunk_index == 0 and time.monotonic() - start < stall_send_s():
+            time.sleep(0.01)
+
+    def transceiver_factory(pool: KVPool) -> KVTransceiver:
+        sender = receiver = None
+        if role in ("context", "both"):
+            sender = KVSender(worker_id, pool, send_hook=hook if stall_send_s else None,
+                              config=TransportConfig(default_timeout_s=lease_s,
+                                                     connect_timeout_s=connect_timeout_s))
+        if role in ("generation", "both"):
+            receiver = KVReceiver(worker_id, pool,
+                                  config=TransportConfig(default_timeout_s=transfer_timeout_s,
+                                                         connect_timeout_s=connect_timeout_s))
+        return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,
+                             transfer_timeout_s=transfer_timeout_s)
+
+    return build_executor(model, config, transceiver_factory=transceiver_factory)
+
+
 class LLMEngine:
     def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
         self.config = EngineConfig.from_kwargs(engine_config)
@@ -124,15 +158,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.executor.has_work
 
-    def step(self) -> list[tuple[RequestOutput, RequestUpdate]]:
+    def step(self) -> list[tuple[RequestOutput, WireUpdate]]:
         return [(self._apply(u), u) for u in self.executor.step()]
 
-    def _apply(self, update: RequestUpdate) -> RequestOutput:
+    def _apply(self, update: WireUpdate) -> RequestOutput:
         out = self._outputs[update.request_id]
         out.token_ids.extend(update.new_token_ids)
         if update.finished:
             out.finished = True
-            out.finish_reason = update.finish_reason
+            out.finish_reason = update.outcome
             out.text = self.decode(out.token_ids)
             del self._outputs[update.request_id]
         return out
@@ -188,7 +222,7 @@ class LLM:
                         pending.discard(out.request_id)
                     yield RequestOutput(
                         out.request_id, out.prompt_token_ids, list(update.new_token_ids),
-                        delta_text, update.finished, update.finish_reason,
+                        delta_text, update.finished, update.outcome,
                     )
         finally:
             for rid in pending:

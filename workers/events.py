@@ -23,7 +23,8 @@ import logging
 import sys
 import time
 from collections import deque
-from typing import Any
+
+from pdserve.transport.requests import WorkerEvent
 
 log = logging.getLogger("pdserve.events")
 
@@ -77,10 +78,10 @@ def transfer_line(side: str, client: str, ctx_worker_id: str, gen_worker_id: str
 class WorkerEvents:
     def __init__(self, worker_id: str, *, keep: int = MAX_PENDING) -> None:
         self.worker_id = worker_id
-        self._pending: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._pending: deque[WorkerEvent] = deque(maxlen=keep)
         self.recorded = 0  # every event ever recorded (the pending deque may have dropped some)
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: WorkerEvent) -> None:
         self._pending.append(event)
         self.recorded += 1
 
@@ -89,30 +90,28 @@ class WorkerEvents:
         """A receive on this (generation) worker ended."""
         log.info("%s", transfer_line("receive", client, ctx_worker_id, self.worker_id, blocks,
                                      nbytes, seconds, outcome, reason))
-        self._add({"kind": TRANSFER, "t": time.time(), "request_id": client,
-                   "worker_id": self.worker_id, "ctx_worker_id": ctx_worker_id,
-                   "gen_worker_id": self.worker_id, "blocks": blocks, "bytes": nbytes,
-                   "seconds": seconds, "outcome": outcome, "reason": reason})
+        self._add(WorkerEvent(TRANSFER, time.time(), client, self.worker_id,
+                              ctx_worker_id=ctx_worker_id, gen_worker_id=self.worker_id,
+                              blocks=blocks, bytes=nbytes, seconds=seconds, outcome=outcome,
+                              reason=reason))
 
     def pause(self, *, client: str, policy: str, generated_tokens: int, blocks_freed: int,
               pause_index: int) -> None:
         log.info("PAUSE req=%s on %s: policy %s, %d tokens generated, %d KV blocks freed "
                  "(pause %d; it will be prefilled again)", client, self.worker_id, policy,
                  generated_tokens, blocks_freed, pause_index)
-        self._add({"kind": PAUSE, "t": time.time(), "request_id": client,
-                   "worker_id": self.worker_id, "policy": policy,
-                   "generated_tokens": generated_tokens, "blocks_freed": blocks_freed,
-                   "pause_index": pause_index})
+        self._add(WorkerEvent(PAUSE, time.time(), client, self.worker_id, policy=policy,
+                              generated_tokens=generated_tokens, blocks_freed=blocks_freed,
+                              pause_index=pause_index))
 
     def resume(self, *, client: str, paused_seconds: float, pause_index: int,
                prefill_tokens: int) -> None:
         log.info("RESUME req=%s on %s after %.3f s paused (pause %d): re-prefilling %d tokens",
                  client, self.worker_id, paused_seconds, pause_index, prefill_tokens)
-        self._add({"kind": RESUME, "t": time.time(), "request_id": client,
-                   "worker_id": self.worker_id, "paused_seconds": paused_seconds,
-                   "pause_index": pause_index})
+        self._add(WorkerEvent(RESUME, time.time(), client, self.worker_id,
+                              paused_seconds=paused_seconds, pause_index=pause_index))
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[WorkerEvent]:
         """The records since the previous drain, oldest first."""
         out = list(self._pending)
         self._pending.clear()

@@ -16,14 +16,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from pdserve.scheduler import (
     CapacityScheduler,
     ContextChunkingConfig,
-    ContextPhaseParams,
     KVCacheManager,
     LlmRequest,
     LlmRequestState,
@@ -32,6 +31,7 @@ from pdserve.scheduler import (
     lifecycle,
 )
 from pdserve.scheduler.reorder import insert_request_in_order
+from pdserve.transport.requests import ErrorKind, UpdateInfo, WireUpdate
 
 from .config import EngineConfig
 from .kv_pool import KVPool
@@ -41,22 +41,6 @@ from .events import WorkerEvents, label
 from .transceiver import KVTransceiver
 
 log = logging.getLogger("pdserve.executor")
-
-
-class RequestUpdate(NamedTuple):
-    """What one step produced for one request: tokens not reported before, and the finish.
-
-    A context-only request that finished its prefill ends here with ``context_phase_params``
-    (its KV is leased for a generation worker); ``error`` explains finish_reason "error"."""
-
-    request_id: int
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    context_phase_params: ContextPhaseParams | None = None
-    error: str | None = None
-    # On the finishing update: pauses, KV bytes/seconds received, prompt tokens served from cache.
-    info: dict | None = None
 
 
 @dataclass(slots=True)
@@ -213,9 +197,11 @@ class Executor:
         self._num_deadlines += deadline is not None
         insert_request_in_order(self.waiting, request)
 
-    def abort(self, request_id: int, reason: str = "abort") -> RequestUpdate | None:
-        """Frees everything the request holds. Returns its final update, or None if unknown."""
-        error = "deadline exceeded" if reason == "deadline" else None
+    def abort(self, request_id: int, reason: str = "abort") -> WireUpdate | None:
+        """Frees everything the request holds. Returns its final update (ABORTED, or FAILED
+        with ErrorKind.DEADLINE for reason "deadline"), or None if unknown."""
+        final = (WireUpdate.failed(request_id, ErrorKind.DEADLINE, "deadline exceeded")
+                 if reason == "deadline" else WireUpdate.aborted(request_id))
         tracked = self._untrack(request_id)
         if tracked is None:
             handed_off = self.transceiver.transmitting.get(request_id) if self.transceiver else None
@@ -223,7 +209,7 @@ class Executor:
                 return None
             self.transceiver.abort(handed_off, self.kv)  # blocks freed once the send is quiet
             self.stats.aborted += 1
-            return RequestUpdate(request_id, [], True, reason, None, error)
+            return final
         request = tracked.request
         for queue in (self.waiting, self.active):
             if request in queue:
@@ -234,7 +220,7 @@ class Executor:
         if self.transceiver is not None:
             self.transceiver.received.pop(request_id, None)
         self.stats.aborted += 1
-        return RequestUpdate(request_id, [], True, reason, None, error)
+        return final
 
     def request_states(self) -> dict[int, str]:
         """Every live request's state name; a generation request whose KV is on the way shows
@@ -263,7 +249,7 @@ class Executor:
             self._num_deadlines -= 1
         return tracked
 
-    def _expire_deadlines(self) -> list[RequestUpdate]:
+    def _expire_deadlines(self) -> list[WireUpdate]:
         if not self._num_deadlines:
             return []
         now = self._clock()
@@ -295,8 +281,8 @@ class Executor:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = self._expire_deadlines()
+    def step(self) -> list[WireUpdate]:
+        updates: list[WireUpdate] = self._expire_deadlines()
         self.active.extend(self.waiting)
         self.waiting.clear()
         if self.transceiver is not None:
@@ -373,7 +359,7 @@ class Executor:
             "violations": violations,
         }
 
-    def _poll_transfers(self) -> list[RequestUpdate]:
+    def _poll_transfers(self) -> list[WireUpdate]:
         # Block briefly only when nothing but receives is left to run (reference 1.4 step 2).
         waiting_only = bool(self.active) and all(
             r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS for r in self.active
@@ -384,8 +370,8 @@ class Executor:
             self.active.remove(request)
             self._untrack(request.request_id)
             log.warning("request %d: KV transfer failed: %s", request.request_id, reason)
-            updates.append(RequestUpdate(request.request_id, [], True, "error", None,
-                                         f"KV transfer failed: {reason}"))
+            updates.append(WireUpdate.failed(request.request_id, ErrorKind.TRANSFER,
+                                             f"KV transfer failed: {reason}"))
         return updates
 
     def _pause(self, paused: list[LlmRequest]) -> None:
@@ -450,7 +436,7 @@ class Executor:
         )
         return {r.request_id: tok for (_, r), tok in zip(producing, sampled)}
 
-    def _after_token(self, request: LlmRequest, token: int) -> RequestUpdate:
+    def _after_token(self, request: LlmRequest, token: int) -> WireUpdate:
         """Stop checks after a token was appended; finished requests free their KV."""
         tracked = self.tracked[request.request_id]
         self.stats.generated_tokens += 1
@@ -478,38 +464,34 @@ class Executor:
             self._untrack(request.request_id)
             info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
-            return RequestUpdate(request.request_id, new, True, "length", params, None, info)
+            return WireUpdate.context_done(request.request_id, new, params, info)
         if reason is None:
             received = self.transceiver.received if self.transceiver is not None else None
             if received and request.request_id in received:
                 # The first decode after a receive tells the router how the KV arrived; the
                 # finishing update then reports 0 bytes more (the router adds them up).
-                return RequestUpdate(request.request_id, new, False, None, None, None,
-                                     self._transfer_info(request))
-            return RequestUpdate(request.request_id, new, False, None)
+                return WireUpdate.tokens(request.request_id, new, self._transfer_info(request))
+            return WireUpdate.tokens(request.request_id, new)
         tracked.finish_reason = reason
         self.active.remove(request)
         self._untrack(request.request_id)
         info = self._request_info(request)
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
-        return RequestUpdate(request.request_id, new, True, reason, None, None, info)
+        return WireUpdate.finished_with(request.request_id, new, reason, info)
 
-    def _request_info(self, request: LlmRequest) -> dict:
-        info = self._transfer_info(request)
-        info.update(pauses=request.num_pauses, cached_tokens=request.prepopulated_prompt_len)
-        return info
+    def _request_info(self, request: LlmRequest) -> UpdateInfo:
+        moved = self._transfer_info(request)
+        return UpdateInfo(request.num_pauses, moved.kv_transfer_bytes, moved.kv_transfer_seconds,
+                          moved.kv_transfer_blocks, request.prepopulated_prompt_len)
 
-    def _transfer_info(self, request: LlmRequest) -> dict:
+    def _transfer_info(self, request: LlmRequest) -> UpdateInfo:
         """What this request's receive moved, reported once (popped). ``kv_transfer_blocks`` is
-        present only for a generation-only request whose receive completed: 0 blocks means its
+        set only for a generation-only request whose receive completed: 0 blocks means its
         generation worker's cache already held the whole prompt."""
-        if self.transceiver is None:
-            return {"kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
-        got = self.transceiver.received.pop(request.request_id, None)
+        got = self.transceiver.received.pop(request.request_id, None) if self.transceiver else None
         if got is None:
-            return {"kv_transfer_bytes": 0, "kv_transfer_seconds": 0.0}
+            return UpdateInfo()
         nbytes, seconds, blocks = got
-        return {"kv_transfer_bytes": nbytes, "kv_transfer_seconds": seconds,
-                "kv_transfer_blocks": blocks}
-
+        return UpdateInfo(kv_transfer_bytes=nbytes, kv_transfer_seconds=seconds,
+                          kv_transfer_blocks=blocks)

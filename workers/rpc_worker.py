@@ -1,4 +1,4 @@
-"""A disaggregated worker as a plain OS process, without Ray: a WorkerLoop served over
+"""A disaggregated worker as a plain OS process, without Ray: a WorkerHost served over
 ``multiprocessing.connection`` on 127.0.0.1 (one thread per connection, so a long KV send never
 blocks other calls). The Ray actors are the production wrapper; this one lets the disaggregated
 lifecycle be driven and faulted with real processes (kill -9 mid-transfer) in tests.
@@ -15,17 +15,16 @@ import json
 import logging
 import sys
 import threading
-import time
 from multiprocessing.connection import Client, Listener
 from typing import Any
 
 
+from pdserve.transport.requests import WireRequest, WireUpdate
+
 from .config import EngineConfig
-from .engine import build_executor
-from .sampling import SamplingParams
-from .transceiver import KVTransceiver
-from .wire import request_from_wire, update_to_wire
-from .worker_loop import WorkerLoop
+from .engine import build_worker_executor
+from .host import Faults, RequestStream, WorkerHost
+from .transceiver import ControlMessage
 
 AUTHKEY = b"pdserve-rpc-worker"
 CALL_TIMEOUT_S = 60.0
@@ -54,14 +53,30 @@ class RpcWorkerClient:
         return value
 
 
-class RpcWorkerServer:
-    def __init__(self, loop: WorkerLoop, peers: dict[str, str], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
-        self.loop = loop
+class RpcControlPlane:
+    """KV control messages as ``kv_control`` calls on the context workers' RPC servers; the
+    call itself runs in the wait, on the host's control pool."""
+
+    def __init__(self, peers: dict[str, str], transfer_timeout_s: float) -> None:
         self.peers = peers
-        self.listener = Listener((host, port), authkey=AUTHKEY)
+        self.transfer_timeout_s = transfer_timeout_s
+
+    def send(self, message: ControlMessage):
+        address = self.peers.get(message.ctx_worker_id)
+        if address is None:
+            raise RuntimeError(f"unknown context worker {message.ctx_worker_id!r}")
+        return lambda: RpcWorkerClient(address).call(
+            "kv_control", message.payload, timeout_s=self.transfer_timeout_s + 15.0)
+
+
+class RpcWorkerServer:
+    def __init__(self, host: WorkerHost, peers: dict[str, str], address: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self.host = host
+        self.peers = peers
+        self.listener = Listener((address, port), authkey=AUTHKEY)
         self.address = "%s:%d" % self.listener.address
-        self._streams: dict[int, Any] = {}
+        self._streams: dict[int, RequestStream] = {}
         self._done = threading.Event()
 
     def serve_forever(self) -> None:
@@ -89,32 +104,30 @@ class RpcWorkerServer:
                     pass
 
     # ---- methods ------------------------------------------------------------------------------
-    def rpc_submit(self, request: dict, params: dict) -> int:
-        stream = self.loop.submit(request_from_wire(request), SamplingParams(**params))
-        self._streams[request["request_id"]] = stream
-        return request["request_id"]
+    def rpc_submit(self, wire: WireRequest) -> int:
+        self._streams[wire.request_id] = self.host.stream(wire)
+        return wire.request_id
 
-    def rpc_collect(self, request_id: int, timeout_s: float) -> list[dict]:
+    def rpc_collect(self, request_id: int, timeout_s: float) -> list[WireUpdate]:
         """Every update of a submitted request until it finishes."""
         stream = self._streams[request_id]
         try:
-            updates = stream.collect(timeout_s)
+            return stream.collect(timeout_s)
         finally:
             if stream.finished:
                 self._streams.pop(request_id, None)
-        return [update_to_wire(u) for u in updates]
 
     def rpc_abort(self, request_id: int) -> bool:
-        return self.loop.abort(request_id)
+        return bool(self.host.call(lambda: self.host.abort_now(request_id)))
 
     def rpc_status(self) -> dict:
-        return self.loop.status()
+        return self.host.call(self.host.status_map)  # type: ignore[return-value]
 
     def rpc_request_states(self) -> dict[int, str]:
-        return self.loop.call(self.loop.executor.request_states)  # type: ignore[return-value]
+        return self.host.call(self.host.executor.request_states)  # type: ignore[return-value]
 
     def rpc_kv_control(self, payload: bytes) -> bytes | None:
-        return self.loop.handle_kv_control(payload)
+        return self.host.kv_control.serve(payload)
 
     def rpc_set_peer(self, worker_id: str, address: str) -> bool:
         """A context worker (re)started at a new address."""
@@ -129,37 +142,14 @@ class RpcWorkerServer:
         return True
 
 
-def build_loop(args: argparse.Namespace, peers: dict[str, str]) -> WorkerLoop:
-    engine = EngineConfig.from_kwargs(json.loads(args.engine))
-
-    def transceiver_factory(pool) -> KVTransceiver:
-        from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
-
-        sender = receiver = None
-        if args.role in ("context", "both"):
-            hook = None
-            if args.stall_send_s > 0:
-                def hook(descriptor, chunk_index, _s=args.stall_send_s):  # fault injection
-                    if chunk_index == 0:
-                        time.sleep(_s)
-            sender = KVSender(args.worker_id, pool, send_hook=hook,
-                              config=TransportConfig(default_timeout_s=args.lease_s))
-        if args.role in ("generation", "both"):
-            receiver = KVReceiver(args.worker_id, pool,
-                                  config=TransportConfig(default_timeout_s=args.transfer_timeout_s))
-        return KVTransceiver(args.worker_id, sender=sender, receiver=receiver,
-                             lease_s=args.lease_s, transfer_timeout_s=args.transfer_timeout_s)
-
-    _, executor = build_executor(args.model, engine, transceiver_factory=transceiver_factory)
-
-    def deliver(ctx_worker_id: str, payload: bytes) -> bytes | None:
-        address = peers.get(ctx_worker_id)
-        if address is None:
-            raise RuntimeError(f"unknown context worker {ctx_worker_id!r}")
-        return RpcWorkerClient(address).call("kv_control", payload,
-                                             timeout_s=args.transfer_timeout_s + 15.0)
-
-    return WorkerLoop(executor, name=args.worker_id, deliver=deliver).start()
+def build_host(args: argparse.Namespace, peers: dict[str, str]) -> WorkerHost:
+    config = EngineConfig.from_kwargs(json.loads(args.engine))
+    faults = Faults(stall_send_s=args.stall_send_s)
+    _, executor = build_worker_executor(
+        args.worker_id, args.role, args.model, config, lease_s=args.lease_s,
+        transfer_timeout_s=args.transfer_timeout_s, stall_send_s=lambda: faults.stall_send_s)
+    return WorkerHost(executor, worker_id=args.worker_id, role=args.role, config=config,
+                      control=RpcControlPlane(peers, args.transfer_timeout_s), faults=faults)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,11 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     peers: dict[str, str] = json.loads(args.peers)
-    loop = build_loop(args, peers)
-    server = RpcWorkerServer(loop, peers, port=args.port)
+    host = build_host(args, peers)
+    server = RpcWorkerServer(host, peers, port=args.port)
     print(json.dumps({"address": server.address}), flush=True)
     server.serve_forever()
-    loop.stop()
+    host.stop()
     return 0
 
 

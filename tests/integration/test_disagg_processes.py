@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.scheduler import LlmRequestType
+from pdserve.transport.requests import UpdateKind, WireRequest, WireSampling, WireUpdate
 from pdserve.workers.rpc_worker import RpcWorkerClient
 from pdserve.workers.tiny_model import make_tiny_model
 
@@ -94,29 +96,29 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
 
 
 def _submit_context(ctx: Worker, rid: int, prompt: list[int], sampling=GREEDY) -> None:
-    ctx.call("submit", {"request_id": rid, "prompt": prompt, "max_new_tokens": 1, "type": "CONTEXT_ONLY"},
-             {"max_tokens": 1, **sampling})
+    ctx.call("submit", WireRequest(rid, None, prompt, 1, type=LlmRequestType.CONTEXT_ONLY,
+                                   sampling=WireSampling(**{"max_tokens": 1, **sampling})))
 
 
-def _context_result(ctx: Worker, rid: int) -> dict:
+def _context_result(ctx: Worker, rid: int) -> WireUpdate:
     updates = ctx.call("collect", rid, 60.0)
     last = updates[-1]
-    assert last["finished"] and last["context_phase_params"] is not None, last
+    assert last.kind == UpdateKind.CONTEXT_DONE and last.context_phase_params is not None, last
     return last
 
 
-def _submit_generation(gen: Worker, rid: int, prompt: list[int], ctx_done: dict, max_new: int = MAX_NEW,
-                       sampling=GREEDY) -> None:
-    gen.call("submit", {"request_id": rid, "prompt": prompt, "max_new_tokens": max_new,
-                        "type": "GENERATION_ONLY", "context_phase_params": ctx_done["context_phase_params"]},
-             {"max_tokens": max_new, **sampling})
+def _submit_generation(gen: Worker, rid: int, prompt: list[int], ctx_done: WireUpdate,
+                       max_new: int = MAX_NEW, sampling=GREEDY) -> None:
+    gen.call("submit", WireRequest(rid, None, prompt, max_new, type=LlmRequestType.GENERATION_ONLY,
+                                   context_phase_params=ctx_done.context_phase_params,
+                                   sampling=WireSampling(**{"max_tokens": max_new, **sampling})))
 
 
-def _generation_result(gen: Worker, rid: int, ctx_done: dict) -> tuple[list[int], dict]:
+def _generation_result(gen: Worker, rid: int, ctx_done: WireUpdate) -> tuple[list[int], WireUpdate]:
     updates = gen.call("collect", rid, 90.0)
-    tokens = list(ctx_done["new_token_ids"])
+    tokens = list(ctx_done.new_token_ids)
     for u in updates:
-        tokens.extend(u["new_token_ids"])
+        tokens.extend(u.new_token_ids)
     return tokens, updates[-1]
 
 
@@ -226,7 +228,7 @@ def test_full_generation_pool_keeps_generation_init_requests_waiting(spawn):
         time.sleep(0.02)
     for rid in range(3):
         tokens, last = _generation_result(gen, rid, done[rid])
-        assert last["finish_reason"] == "length" and len(tokens) == MAX_NEW
+        assert last.outcome == "length" and len(tokens) == MAX_NEW
     assert gen.call("status")["transfers"]["failed"] == 0
     _wait_drained(gen), _wait_drained(ctx)
 
@@ -253,7 +255,7 @@ def test_context_worker_killed_mid_transfer(spawn):
     ctx.kill()
     t0 = time.monotonic()
     _, last = _generation_result(gen, 1, done)
-    assert last["finish_reason"] == "error" and "transfer" in last["error"]
+    assert last.outcome == "error" and "transfer" in last.message
     assert time.monotonic() - t0 < 20.0  # within the transfer deadline
     _wait_drained(gen)
 
@@ -264,7 +266,7 @@ def test_context_worker_killed_mid_transfer(spawn):
     done2 = _context_result(ctx2, 2)
     _submit_generation(gen, 2, prompt, done2)
     tokens, last = _generation_result(gen, 2, done2)
-    assert last["finish_reason"] == "length" and len(tokens) == MAX_NEW
+    assert last.outcome == "length" and len(tokens) == MAX_NEW
     _wait_drained(gen), _wait_drained(ctx2)
 
 
@@ -286,5 +288,5 @@ def test_generation_worker_killed_mid_transfer(spawn):
     done2 = _context_result(ctx, 2)
     _submit_generation(gen2, 2, prompt, done2)
     tokens, last = _generation_result(gen2, 2, done2)
-    assert last["finish_reason"] == "length" and len(tokens) == MAX_NEW
+    assert last.outcome == "length" and len(tokens) == MAX_NEW
     _wait_drained(gen2), _wait_drained(ctx)

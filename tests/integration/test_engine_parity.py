@@ -110,12 +110,12 @@ def test_greedy_matches_transformers(model, name):
         assert llm.stats.pauses > 0, "the pool was meant to be small enough to force pauses"
         # Each pause has its event and, since every request finished, a resume after it.
         events = llm.engine.executor.events.drain()
-        pauses = [e for e in events if e["kind"] == "pause"]
-        resumes = [e for e in events if e["kind"] == "resume"]
+        pauses = [e for e in events if e.kind == "pause"]
+        resumes = [e for e in events if e.kind == "resume"]
         assert len(pauses) == len(resumes) == llm.stats.pauses
-        assert all(e["policy"] == "MAX_UTILIZATION" and e["blocks_freed"] > 0 for e in pauses)
-        assert ({(e["request_id"], e["pause_index"]) for e in pauses}
-                == {(e["request_id"], e["pause_index"]) for e in resumes})
+        assert all(e.policy == "MAX_UTILIZATION" and e.blocks_freed > 0 for e in pauses)
+        assert ({(e.request_id, e.pause_index) for e in pauses}
+                == {(e.request_id, e.pause_index) for e in resumes})
         assert not llm.engine.executor.paused_since
     if name.endswith("chunks") or name == "force_chunk":
         assert llm.stats.steps > len(prompts) + MAX_NEW - 1  # prompts really were split

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from pdserve.cluster import rpc
-from pdserve.cluster.policies import ValidationError, ValidationLimits, validate_generate_spec
+from pdserve.cluster.validation import ValidationError, ValidationLimits, validate_generate_spec
 
 pb, pb_grpc = rpc.router_pb2, rpc.router_pb2_grpc
 pytestmark = pytest.mark.integration

@@ -1,25 +1,36 @@
-"""The router -> worker request channel with the real pieces in one process: a WorkerLoop on the
-tiny model behind a RequestChannelServer, and the router's asyncio WorkerChannel. Outputs match
-the in-process engine; the hello token is checked; a bad request is refused without harming the
-channel; an abort frame and a closed connection both free the request's blocks."""
+"""The router -> worker request channel with the real pieces in one process: a WorkerHost on the
+tiny model serving its channel, and the router's asyncio WorkerChannel. Outputs match the
+in-process engine; the hello's token and protocol version are checked; a bad request is refused
+without harming the channel; an abort frame and a closed connection both free the request's
+blocks."""
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
 
+import msgpack
 import pytest
 
 from pdserve import LLM
 from pdserve import SamplingParams as ApiSamplingParams
-from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, WorkerChannel
-from pdserve.transport.channel_frames import pack_frame
-from pdserve.workers.actor_base import WorkerActorBase, update_to_wire
+from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, ChannelRefused, WorkerChannel
+from pdserve.transport.requests import (
+    PROTOCOL_VERSION,
+    ErrorKind,
+    FrameReader,
+    Generate,
+    Hello,
+    Refused,
+    UpdateKind,
+    WireRequest,
+    WireSampling,
+    encode_frame,
+)
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import build_executor
-from pdserve.workers.request_channel import RequestChannelServer
+from pdserve.workers.host import WorkerHost
 from pdserve.workers.tiny_model import make_tiny_model
-from pdserve.workers.worker_loop import WorkerLoop
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -38,50 +49,49 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture()
-def server(model_dir):
-    _, executor = build_executor(str(model_dir), EngineConfig.from_kwargs(ENGINE))
-    loop = WorkerLoop(executor, name="chan-test").start()
-    srv = RequestChannelServer(loop, WorkerActorBase._from_wire, update_to_wire, name="chan-test")
-    yield srv
-    srv.close()
-    loop.stop()
+def host(model_dir):
+    config = EngineConfig.from_kwargs(ENGINE)
+    _, executor = build_executor(str(model_dir), config)
+    host = WorkerHost(executor, worker_id="chan-test", role="both", config=config,
+                      channel_host="127.0.0.1")
+    yield host
+    host.stop()
 
 
-def _wire(rid: int, prompt, max_tokens: int, **extra) -> dict:
-    return {"request_id": rid, "prompt": list(prompt), "max_new_tokens": max_tokens,
-            "type": "CONTEXT_AND_GENERATION", "deadline_s": WAIT_S,
-            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, **extra}
+def _wire(rid: int, prompt, max_tokens: int) -> WireRequest:
+    return WireRequest(rid, f"client-{rid}", list(prompt), max_tokens, deadline_s=WAIT_S,
+                       sampling=WireSampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-async def _frames(q: asyncio.Queue, until_finished: bool = True) -> list:
-    """The attempt's frames up to its finishing update (or only the next one)."""
+async def _updates(q: asyncio.Queue, until_finished: bool = True) -> list:
+    """The attempt's updates up to its finishing one (or only the next one)."""
     out = []
     async with asyncio.timeout(WAIT_S):
         while True:
-            frame = await q.get()
-            out.append(frame)
-            if frame is CLOSED or "u" not in frame or not until_finished or frame["u"]["finished"]:
+            update = await q.get()
+            out.append(update)
+            if update is CLOSED or not until_finished or update.finished:
                 return out
 
 
-async def _connect(srv: RequestChannelServer, token: str | None = None) -> WorkerChannel:
-    channel = WorkerChannel("w", srv.endpoint, srv.token if token is None else token)
+async def _connect(host: WorkerHost, token: str | None = None) -> WorkerChannel:
+    channel = WorkerChannel("w", host.channel.endpoint, host.channel.token if token is None else token)
     await channel.connect(5.0)
     return channel
 
 
-async def _started(q: asyncio.Queue) -> dict:
+async def _started(q: asyncio.Queue):
     """The attempt's first update: it was accepted and is running."""
-    (frame,) = await _frames(q, until_finished=False)
-    assert frame is not CLOSED and frame["u"]["new_token_ids"] and not frame["u"]["finished"], frame
-    return frame
+    (update,) = await _updates(q, until_finished=False)
+    assert update is not CLOSED and update.kind == UpdateKind.TOKENS and update.new_token_ids, update
+    return update
 
 
-def _drained(srv: RequestChannelServer) -> dict:
+def _drained(host: WorkerHost) -> dict:
     """Polls until the worker holds no request and every block is free again."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        status = srv.loop.status()
+        status = host.executor.status() if not host.alive else host.call(host.status_map)
         if status["num_active"] == 0 and status["queue_depth"] == 0 \
                 and status["free_blocks"] == status["total_blocks"]:
             return status
@@ -89,157 +99,166 @@ def _drained(srv: RequestChannelServer) -> dict:
         time.sleep(0.02)
 
 
-def _tokens(frames) -> list[int]:
-    return [t for f in frames for t in f["u"]["new_token_ids"]]
+def _tokens(updates) -> list[int]:
+    return [t for u in updates for t in u.new_token_ids]
 
 
-def test_streams_over_the_channel_match_the_in_process_engine(server, model_dir):
+def test_streams_over_the_channel_match_the_in_process_engine(host, model_dir):
     expected = [o.token_ids for o in LLM(str(model_dir), **ENGINE).generate(
         PROMPTS, ApiSamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
 
     async def run():
-        channel = await _connect(server)
+        channel = await _connect(host)
         queues = [channel.attempt(100 + i) for i in range(len(PROMPTS))]
         for i, p in enumerate(PROMPTS):  # all in flight together: they share steps
             channel.generate(_wire(100 + i, p, 8))
-        got = await asyncio.gather(*(_frames(q) for q in queues))
+        got = await asyncio.gather(*(_updates(q) for q in queues))
+        status = await channel.fresh_status(5.0)
         channel.close()
-        return got
+        return got, status
 
-    got = asyncio.run(run())
-    assert [_tokens(f) for f in got] == expected
-    assert all(f[-1]["u"]["finish_reason"] == "length" for f in got)
-    _drained(server)
+    got, status = asyncio.run(run())
+    assert [_tokens(u) for u in got] == expected
+    assert all(u[-1].kind == UpdateKind.FINISHED and u[-1].finish_reason == "length" for u in got)
+    assert status.worker_id == "chan-test" and status.generated_tokens >= 8 * len(PROMPTS)
+    _drained(host)
 
 
-def test_a_wrong_token_is_refused(server):
+def test_a_wrong_token_or_another_protocol_version_is_refused(host):
+    async def wrong_token():
+        with pytest.raises(ChannelRefused, match="wrong token"):
+            await _connect(host, token="not-the-token")
+
+    asyncio.run(wrong_token())
+    # A router of another protocol version hears why, in a frame it can still read.
+    host_addr, port = host.channel.endpoint.rsplit(":", 1)
+    with socket.create_connection((host_addr, int(port)), timeout=5) as raw:
+        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION + 1, host.channel.token)))
+        reader = FrameReader()
+        frames = []
+        while not frames:
+            data = raw.recv(1 << 16)
+            assert data, "closed without an answer"
+            reader.feed(data)
+            frames = list(reader)
+    assert isinstance(frames[0], Refused) and f"version {PROTOCOL_VERSION + 1}" in frames[0].reason
+    assert host.channel.num_connections == 0
+    _drained(host)  # nothing ran
+
+
+def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host):
     async def run():
-        channel = await _connect(server, token="not-the-token")
-        q = channel.attempt(1)
-        channel.generate(_wire(1, PROMPTS[0], 4))
-        frames = await _frames(q)
-        return channel, frames
-
-    channel, frames = asyncio.run(run())
-    assert frames == [CLOSED] and not channel.open
-    with pytest.raises(ChannelClosed):
-        channel.attempt(2)
-    assert server.num_connections == 0
-    _drained(server)  # nothing ran
-
-
-def test_an_invalid_request_is_rejected_and_the_channel_stays_up(server):
-    async def run():
-        channel = await _connect(server)
-        bad_vocab, missing = channel.attempt(1), channel.attempt(2)
+        channel = await _connect(host)
+        bad_vocab, bad_params = channel.attempt(1), channel.attempt(2)
         channel.generate(_wire(1, [1, 2, 10**6], 4))  # a token outside the vocabulary
-        channel.generate({"request_id": 2, "max_new_tokens": 4})  # no prompt
-        first, second = await _frames(bad_vocab), await _frames(missing)
+        wire = _wire(2, PROMPTS[0], 4)
+        channel.generate(WireRequest(2, None, wire.prompt, 4, sampling=WireSampling(top_p=0.0)))
+        first, second = await _updates(bad_vocab), await _updates(bad_params)
         good = channel.attempt(3)
         channel.generate(_wire(3, PROMPTS[1], 4))
-        third = await _frames(good)
+        third = await _updates(good)
         channel.close()
         return first, second, third
 
     first, second, third = asyncio.run(run())
-    assert "vocabulary" in first[0]["rejected"]
-    assert "prompt" in second[0]["rejected"]
+    assert first[0].error == ErrorKind.REJECTED and "vocabulary" in first[0].message
+    assert second[0].error == ErrorKind.REJECTED and "top_p" in second[0].message
     assert len(_tokens(third)) == 4
-    _drained(server)
+    _drained(host)
 
 
-def test_an_abort_frame_ends_the_request_and_frees_its_blocks(server):
+def test_an_abort_frame_ends_the_request_and_frees_its_blocks(host):
     async def run():
-        channel = await _connect(server)
+        channel = await _connect(host)
         q = channel.attempt(7)
         channel.generate(_wire(7, PROMPTS[0], LONG))
         first = await _started(q)
         channel.abort(7)
-        rest = await _frames(q)
+        rest = await _updates(q)
         channel.close()
         return [first] + rest
 
-    frames = asyncio.run(run())
-    assert frames[-1]["u"]["finished"] and frames[-1]["u"]["finish_reason"] == "abort"
-    assert 0 < len(_tokens(frames)) < LONG
-    _drained(server)
+    updates = asyncio.run(run())
+    assert updates[-1].kind == UpdateKind.ABORTED
+    assert 0 < len(_tokens(updates)) < LONG
+    _drained(host)
 
 
-def test_a_closed_connection_aborts_every_request_it_owns(server):
+def test_a_closed_connection_aborts_every_request_it_owns(host):
     async def run():
-        channel = await _connect(server)
+        channel = await _connect(host)
         queues = [channel.attempt(20 + i) for i in range(3)]
         for i in range(3):
             channel.generate(_wire(20 + i, PROMPTS[i], LONG))
         for q in queues:  # each has started decoding
             await _started(q)
         channel.close("test closes it")
-        return [(await _frames(q))[-1] for q in queues]  # updates already read, then CLOSED
+        return [(await _updates(q))[-1] for q in queues]  # updates already read, then CLOSED
 
     ends = asyncio.run(run())
     assert ends == [CLOSED] * 3
-    _drained(server)
+    _drained(host)
 
 
-def test_a_garbled_stream_ends_only_its_own_connection(server):
+@pytest.mark.parametrize("garbage", [b"\xc1",  # a byte msgpack never uses
+                                     msgpack.packb([99, 1]),  # an unknown frame type
+                                     msgpack.packb([4, 1, 2])])  # a generate frame cut short
+def test_a_garbled_stream_ends_only_its_own_connection(host, garbage):
     async def run():
-        healthy = await _connect(server)
+        healthy = await _connect(host)
         q = healthy.attempt(31)
         healthy.generate(_wire(31, PROMPTS[2], LONG))
         await _started(q)
 
-        host, port = server.endpoint.rsplit(":", 1)
-        raw = socket.create_connection((host, int(port)), timeout=5)
-        raw.sendall(pack_frame({"op": "hello", "token": server.token})
-                    + pack_frame({"op": "generate", "wire": _wire(32, PROMPTS[0], LONG)})
-                    + b"\xc1")  # 0xc1 is never used in msgpack
+        addr, port = host.channel.endpoint.rsplit(":", 1)
+        raw = socket.create_connection((addr, int(port)), timeout=5)
+        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION, host.channel.token))
+                    + encode_frame(Generate(_wire(32, PROMPTS[0], LONG))) + garbage)
         raw.settimeout(WAIT_S)
-        data = b""
-        while True:  # the worker may answer request 32 before it reads the bad byte
-            chunk = raw.recv(1 << 16)
-            if not chunk:
-                break
-            data += chunk
+        while raw.recv(1 << 16):  # the worker may answer request 32 before the bad frame
+            pass
         raw.close()
 
         healthy.abort(31)
-        rest = await _frames(q)
+        rest = await _updates(q)
         healthy.close()
         return rest
 
     rest = asyncio.run(run())
-    assert rest[-1]["u"]["finish_reason"] == "abort"  # the healthy connection kept working
-    _drained(server)  # request 32 went with its connection
+    assert rest[-1].kind == UpdateKind.ABORTED  # the healthy connection kept working
+    _drained(host)  # request 32 went with its connection
 
 
-def test_a_worker_whose_step_loop_is_gone_answers_with_an_error(server):
-    server.loop.stop()
+def test_a_worker_whose_step_loop_is_gone_answers_unavailable(host):
+    host.stop_loop()
 
     async def run():
-        channel = await _connect(server)
+        channel = await _connect(host)
         q = channel.attempt(41)
         channel.generate(_wire(41, PROMPTS[1], 4))
-        frames = await _frames(q)
+        updates = await _updates(q)
         channel.close()
-        return frames
+        return updates
 
-    (frame,) = asyncio.run(run())
-    assert "not running" in frame["error"]
+    (update,) = asyncio.run(run())
+    assert update.error == ErrorKind.UNAVAILABLE and "not running" in update.message
 
 
-def test_an_idle_connection_hears_the_step_loops_heartbeat_until_the_loop_stops(server):
+def test_an_idle_connection_hears_the_step_loops_heartbeat_until_the_loop_stops(host):
     async def run():
-        channel = await _connect(server)
+        channel = await _connect(host)
         t0 = channel.last_heard
         await asyncio.sleep(2.5)  # HEARTBEAT_S is 0.5 s
         beating = channel.last_heard - t0
-        server.loop.stop()
+        heard = channel.status
+        host.stop_loop()
         await asyncio.sleep(0.5)  # a heartbeat in flight may still land
         stopped_at = channel.last_heard
         await asyncio.sleep(2.5)
         silent = channel.last_heard == stopped_at
         channel.close()
-        return beating, silent
+        return beating, silent, heard
 
-    beating, silent = asyncio.run(run())
+    beating, silent, heard = asyncio.run(run())
     assert beating >= 1.0 and silent
+    assert heard is not None and heard.worker_id == "chan-test" and heard.violations == []

@@ -1,6 +1,6 @@
 """Worker-side reliability pieces in one process, with the tiny model: request deadlines in the
 executor (a fake clock), forced tokens (a retry that continues after tokens the client already
-has), an abort that overtakes its submission in the WorkerLoop, and the KV receiver refusing a
+has), an abort that overtakes its submission in the WorkerHost, and the KV receiver refusing a
 context endpoint that is gone (the context worker restarted)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pdserve import LLM
 from pdserve import SamplingParams as ApiSamplingParams
 from pdserve.scheduler import LlmRequest
 from pdserve.transport.protocol import RecvState
+from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, WireSampling
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.executor import Executor
@@ -17,7 +18,7 @@ from pdserve.workers.kv_pool import KVPool
 from pdserve.workers.loader import load_model
 from pdserve.workers.sampling import SamplingParams
 from pdserve.workers.tiny_model import make_tiny_model
-from pdserve.workers.worker_loop import WorkerLoop
+from pdserve.workers.host import WorkerHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -83,8 +84,9 @@ def test_a_request_past_its_deadline_is_aborted_and_frees_its_blocks(loaded):
     clock.now += 10.0  # request 1's deadline passes mid-decode
     updates = _run(ex)
     last1, last2 = updates[1][-1], updates[2][-1]
-    assert last1.finished and last1.finish_reason == "deadline" and last1.error == "deadline exceeded"
-    assert last2.finish_reason == "length"
+    assert last1.kind == UpdateKind.FAILED and last1.error == ErrorKind.DEADLINE
+    assert last1.message == "deadline exceeded" and last1.outcome == "deadline"
+    assert last2.kind == UpdateKind.FINISHED and last2.finish_reason == "length"
     assert ex.num_free_blocks == total and not ex.tracked
     status = ex.status()
     assert status["deadlines_exceeded"] == 1 and status["violations"] == [] and status["tracked"] == 0
@@ -109,17 +111,18 @@ def test_forced_tokens_continue_a_retry_without_duplicates_or_gaps(loaded, model
 
 def test_an_abort_that_overtakes_its_submission_finishes_it_at_once(loaded):
     ex = _executor(loaded)
-    loop = WorkerLoop(ex, name="w").start()
+    host = WorkerHost(ex, worker_id="w", role="both", config=EngineConfig.from_kwargs(ENGINE))
+    sampling = WireSampling(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
-        assert loop.abort(42) is False  # not there yet: remembered
-        stream = loop.submit(LlmRequest(42, PROMPT, 8), GREEDY)
+        assert host.call(lambda: host.abort_now(42)) is False  # not there yet: remembered
+        stream = host.stream(WireRequest(42, None, PROMPT, 8, sampling=sampling))
         (update,) = stream.collect(10.0)
-        assert update.finish_reason == "abort"
-        assert loop.status()["tracked"] == 0
-        normal = loop.submit(LlmRequest(43, PROMPT, 4), GREEDY)
+        assert update.kind == UpdateKind.ABORTED
+        assert host.call(host.status_map)["tracked"] == 0
+        normal = host.stream(WireRequest(43, None, PROMPT, 4, sampling=sampling))
         assert normal.collect(30.0)[-1].finish_reason == "length"
     finally:
-        loop.stop()
+        host.stop()
 
 
 def test_the_receiver_refuses_a_context_endpoint_that_is_gone(loaded):

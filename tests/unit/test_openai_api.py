@@ -14,7 +14,8 @@ from pdserve.cluster.openai_api import (
     openai_param,
     parse_request,
 )
-from pdserve.cluster.policies import DisaggregationMode, ValidationError, ValidationLimits, validate_generate_spec
+from pdserve.cluster.policies import DisaggregationMode
+from pdserve.cluster.validation import ValidationError, ValidationLimits, validate_generate_spec
 
 MODEL = "tiny"
 

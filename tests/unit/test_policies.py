@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from pdserve.cluster.policies import (
     CONTEXT_POLICY_NAMES,
     DisaggregationMode,
-    GenerateSpec,
     GenerationLoadPolicy,
     KvCacheAwarePolicy,
     LeastLoadedPolicy,
@@ -22,8 +21,6 @@ from pdserve.cluster.policies import (
     PromptInfo,
     RetryAction,
     RoundRobinPolicy,
-    ValidationError,
-    ValidationLimits,
     WorkerLoad,
     WorkerRole,
     block_hashes,
@@ -34,6 +31,11 @@ from pdserve.cluster.policies import (
     matched_tokens,
     needs_remote_prefill,
     plan_retry,
+)
+from pdserve.cluster.validation import (
+    GenerateSpec,
+    ValidationError,
+    ValidationLimits,
     validate_generate_spec,
 )
 

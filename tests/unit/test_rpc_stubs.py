@@ -11,13 +11,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster import rpc
-from pdserve.cluster.policies import (
-    DisaggregationMode,
-    ValidationError,
-    ValidationLimits,
-    WorkerRole,
-    validate_generate_spec,
-)
+from pdserve.cluster.policies import DisaggregationMode, WorkerRole
+from pdserve.cluster.validation import ValidationError, ValidationLimits, validate_generate_spec
 
 pb = rpc.router_pb2
 

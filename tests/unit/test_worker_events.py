@@ -38,12 +38,12 @@ def test_records_are_drained_once_in_order_and_logged(caplog):
     assert lines[1] == "RESUME req=a on gen-0 after 0.250 s paused (pause 1): re-prefilling 20 tokens"
     assert lines[2].startswith("KV receive req=b ctx-0->gen-0: 4 blocks")
     got = ev.drain()
-    assert [e["kind"] for e in got] == ["pause", "resume", "transfer"]
-    assert got[2] == {**got[2], "request_id": "b", "gen_worker_id": "gen-0", "bytes": 4096,
-                      "outcome": "COMPLETE", "reason": ""}
+    assert [e.kind for e in got] == ["pause", "resume", "transfer"]
+    assert (got[2].request_id, got[2].gen_worker_id, got[2].bytes, got[2].outcome,
+            got[2].reason) == ("b", "gen-0", 4096, "COMPLETE", "")
     assert ev.drain() == []
     # Bounded: a router that stops reading loses the oldest records, the worker does not grow.
     for i in range(5):
         ev.resume(client=str(i), paused_seconds=0.0, pause_index=1, prefill_tokens=1)
-    assert [e["request_id"] for e in ev.drain()] == ["2", "3", "4"]
+    assert [e.request_id for e in ev.drain()] == ["2", "3", "4"]
     assert ev.recorded == 8

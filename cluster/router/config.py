@@ -1,0 +1,69 @@
+"""The router's configuration and the errors its request path raises."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    context_policy: str = "round_robin"
+    max_local_prefill_length: int | None = None  # conditional disaggregation off by default
+    max_queue: int = 1024
+    max_inflight: int | None = None  # default: the generation workers' batch sizes summed
+    max_retries: int = 2
+    # A worker heard from neither by updates nor by heartbeats this long has failed its attempts.
+    worker_call_timeout_s: float = 30.0
+    status_timeout_s: float = 5.0  # one worker's status call (a restarting worker is slow)
+    default_deadline_s: float = 600.0
+    status_refresh_s: float = 0.5
+    max_message_bytes: int = 4 << 20
+    agent_percentage: float | None = None  # agent tree off unless agent types are given
+    agent_types: tuple[str, ...] = ()
+    agent_inflight_seq_num: int | None = None
+    # OpenAI-compatible HTTP on the same router (cluster/http_server.py); None: off.
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
+    served_model_name: str | None = None  # default: the model directory's name
+
+
+class WorkerFailure(RuntimeError):
+    """A worker attempt failed (its channel closed, it went silent, or the transfer failed):
+    the request may be retried on other workers."""
+
+
+class RequestRejected(ValueError):
+    """A worker refused the request itself (validation); retrying elsewhere cannot help."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """A worker ended the attempt at the request's deadline."""
+
+
+class StopStringReached(Exception):
+    """Raised out of ``emit`` when the text hit a stop string: the request is complete and its
+    attempts were aborted; the attempt loop ends quietly."""
+
+
+class Failure(NamedTuple):
+    """Put on a request's output queue: the front door ends the call with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class RouterError(Exception):
+    """A request refused at admission or ended by an error: a gRPC status code and a message
+    (the HTTP front door maps the code to an HTTP status). For an error in one request field,
+    ``field`` names it and ``detail`` is what is wrong with it; ``message`` is then
+    "<field>: <detail>", gRPC's form."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
+                 detail: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+        self.detail = detail if detail is not None else message

@@ -1,0 +1,297 @@
+"""Running requests: the dispatch loop takes requests off the router's queue in the reorder
+policy's order (within max_inflight), and one attempt loop per request carries out the
+context_first flow over the workers' request channels.
+
+Flow per request (DESIGN.md "Request lifecycle"): a context-only copy (max_tokens 1) goes to a
+context worker; its CONTEXT_DONE update carries the first token and the context-phase params;
+the first token is streamed at once; a generation-only request with those params goes to a
+generation worker, which reserves KV, receives it and decodes. Short uncached prompts skip the
+context worker (conditional disaggregation). A failed attempt is retried where
+``policies.plan_retry`` says (another pair, or local prefill on a generation worker),
+continuing after the tokens the client already has.
+
+Every wait is bounded: by the request's deadline, and a worker's silence (no update and no
+heartbeat from its step loop) by worker_call_timeout_s; a request that is only queued on a live
+worker is not retried. Each attempt carries the seconds it has left (``deadline_s``), so a worker
+frees a request whose client is gone even if the router's abort never arrives.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.cluster import policies as P
+from pdserve.cluster import validation as V
+from pdserve.cluster.worker_channel import CLOSED, ChannelClosed
+from pdserve.scheduler import LlmRequestType
+from pdserve.transport.requests import (
+    ErrorKind,
+    UpdateKind,
+    WireRequest,
+    WireSampling,
+    WireUpdate,
+)
+
+from .config import DeadlineExceeded, RequestRejected, StopStringReached, WorkerFailure
+from .request_state import Phase, RouterRequest
+
+if TYPE_CHECKING:
+    from .core import Router
+
+log = logging.getLogger("pdserve.router")
+
+WORKER_DEADLINE_GRACE_S = 0.5  # a worker's deadline for an attempt trails the request's
+
+
+class Dispatcher:
+    def __init__(self, router: "Router") -> None:
+        self.router = router
+        self.registry = router.registry
+        self.config = router.config
+        self.wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ the queue
+
+    async def loop(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            self.dispatch_ready()
+
+    def dispatch_ready(self) -> None:
+        """Start as many waiting requests as max_inflight allows, in the reorder policy's order.
+        Runs inline when a request arrives (no extra event-loop hop on an idle router) and from
+        the loop when a request ends."""
+        r = self.router
+        while r.waiting and r.inflight < r.max_inflight:
+            order = r.reorder.reorder(r.waiting) if r.reorder is not None else r.waiting
+            if not order:
+                break
+            entry = order[0]
+            r.waiting.remove(entry)
+            req = r.requests.get(entry.request_id)
+            if req is None or req.cancelled:
+                continue
+            r.inflight += 1
+            req.dispatched = time.monotonic()
+            if r.metrics is not None:
+                r.metrics.observe_queue_time(req.dispatched - req.received)
+            r.dispatch_log.append(req.external_id)
+            req.task = asyncio.create_task(self.run(req))
+            # Not in run's finally: a task cancelled before it first runs never enters it.
+            req.task.add_done_callback(self._run_done)
+        r.observe_queue()
+
+    def _run_done(self, task: asyncio.Task) -> None:
+        self.router.inflight -= 1
+        self.wake.set()
+
+    # ------------------------------------------------------------------ one request
+
+    async def run(self, req: RouterRequest) -> None:
+        r = self.router
+        failed: set[tuple[str | None, str]] = set()
+        last_error = ""
+        try:
+            prompt_info = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
+            plan = self._first_plan(req, prompt_info)
+            while True:
+                if plan.action == P.RetryAction.GIVE_UP:
+                    await r.fail(req, grpc.StatusCode.UNAVAILABLE,
+                                 f"no worker could serve the request: {plan.reason}{last_error}")
+                    return
+                try:
+                    if plan.action == P.RetryAction.PAIR:
+                        await self._remote(req, plan.ctx_worker, plan.gen_worker)
+                    else:
+                        await self._local(req, plan.gen_worker)
+                    return
+                except WorkerFailure as exc:
+                    if req.cancelled or time.monotonic() >= req.deadline:
+                        return  # Generate answers DEADLINE_EXCEEDED; no retry past the deadline
+                    log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
+                                plan.ctx_worker, plan.gen_worker, exc)
+                    last_error = f"; last failure: {exc}"
+                    failed.add((plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker))
+                    plan = P.plan_retry(failed, list(self.registry.loads.values()), prompt_info,
+                                        retries_used=req.retries, max_retries=self.config.max_retries,
+                                        context_policy=r.context_policy,
+                                        generation_policy=r.generation_policy,
+                                        mode=P.DisaggregationMode(req.spec.disaggregation))
+                    if plan.action != P.RetryAction.GIVE_UP:
+                        req.retries += 1
+                        r.totals["retries"] += 1
+                        if r.metrics is not None:
+                            r.metrics.count_retries()
+        except asyncio.CancelledError:
+            raise
+        except StopStringReached:
+            return
+        except RequestRejected as exc:
+            await r.fail(req, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except DeadlineExceeded:
+            await r.fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"request {req.external_id!r} did not finish within its deadline")
+        except Exception as exc:  # a router bug must not leave the client waiting
+            log.exception("request %s failed in the router", req.external_id)
+            await r.fail(req, grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
+
+    def _first_plan(self, req: RouterRequest, prompt_info: P.PromptInfo) -> P.RetryPlan:
+        r = self.router
+        loads = list(self.registry.loads.values())
+        gen = r.generation_policy.select(loads, prompt_info)
+        if gen is None:
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker")
+        ctx = r.context_policy.select(loads, prompt_info) if self.registry.ctx_ids else None
+        try:
+            decision = P.decide_prefill(P.DisaggregationMode(req.spec.disaggregation), len(req.prompt),
+                                        gen.matched_tokens, self.config.max_local_prefill_length,
+                                        context_available=ctx is not None)
+        except P.NoWorkerAvailable as exc:
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, str(exc))
+        if decision.route == P.PrefillRoute.REMOTE:
+            return P.RetryPlan(P.RetryAction.PAIR, ctx.worker_id, gen.worker_id, decision.reason)
+        return P.RetryPlan(P.RetryAction.LOCAL_PREFILL, None, gen.worker_id, decision.reason)
+
+    async def _remote(self, req: RouterRequest, ctx_id: str, gen_id: str) -> None:
+        r = self.router
+        req.start_remote(ctx_id, gen_id)
+        self.registry.note_dispatch(ctx_id, len(req.prompt))
+        self.registry.note_dispatch(gen_id, 0)
+        r.count_prefill(local=False)
+        prompt, max_tokens, forced = req.continuation(r.limits.max_input_len)
+        # A 1-token request ends on the context worker; no generation worker will claim KV.
+        kind = LlmRequestType.CONTEXT_ONLY if max_tokens > 1 else LlmRequestType.CONTEXT_AND_GENERATION
+        ctx_wire = self._wire(req, prompt, 1, kind, forced[:1])
+        last: WireUpdate | None = None
+        async for update in self._stream(req, ctx_id, ctx_wire):
+            last = update
+        self._check_final(last, f"context worker {ctx_id}")
+        if last.kind == UpdateKind.ABORTED:
+            return
+        first = last.new_token_ids
+        if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
+            # Ended on the context worker (a stop token, or it was all the client asked for).
+            await r.emit(req, first, last.finish_reason or "length", last.info)
+            return
+        # The context attempt's KV stays leased until the generation side has it: an attempt
+        # that ends any other way (failure, cancel, a stop string in the first token) gives
+        # the lease back at once.
+        leased = (ctx_id, ctx_wire.request_id)
+        req.attempts.append(leased)
+        done = False
+        try:
+            await r.emit(req, first, None, last.info)
+            req.move(Phase.TRANSFER)
+            gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY, forced,
+                                  last.context_phase_params)
+            await self._decode(req, gen_id, gen_wire)
+            done = True
+        finally:
+            if leased in req.attempts:
+                req.attempts.remove(leased)
+                if not done and not req.cancelled:  # a cancel aborted it already
+                    self.registry.abort_attempt(*leased)
+
+    async def _local(self, req: RouterRequest, gen_id: str) -> None:
+        r = self.router
+        req.start_local(gen_id)
+        self.registry.note_dispatch(gen_id, len(req.prompt))
+        r.count_prefill(local=True)
+        prompt, max_tokens, forced = req.continuation(r.limits.max_input_len)
+        await self._decode(req, gen_id, self._wire(req, prompt, max_tokens,
+                                                   LlmRequestType.CONTEXT_AND_GENERATION, forced))
+
+    async def _decode(self, req: RouterRequest, gen_id: str, wire: WireRequest) -> None:
+        last: WireUpdate | None = None
+        # Closed on every way out (a break, a stop string), so the attempt is forgotten now.
+        async with contextlib.aclosing(self._stream(req, gen_id, wire)) as updates:
+            async for update in updates:
+                last = update
+                if update.kind in (UpdateKind.FAILED, UpdateKind.ABORTED):
+                    break
+                if update.new_token_ids and req.phase != Phase.DECODE:
+                    req.move(Phase.DECODE)
+                await self.router.emit(req, update.new_token_ids, update.finish_reason, update.info)
+        self._check_final(last, f"generation worker {gen_id}")
+
+    @staticmethod
+    def _check_final(last: WireUpdate | None, who: str) -> None:
+        """An attempt's stream ended: raise for anything but a finish or an abort."""
+        if last is None or not last.finished:
+            raise WorkerFailure(f"{who}: the stream ended without a final update")
+        if last.kind == UpdateKind.FAILED:
+            if last.error == ErrorKind.DEADLINE:
+                raise DeadlineExceeded(who)
+            if last.error == ErrorKind.REJECTED:
+                raise RequestRejected(last.message)  # the request, not the worker
+            raise WorkerFailure(f"{who}: {last.message}")
+
+    def _wire(self, req: RouterRequest, prompt: list[int], max_tokens: int, kind: LlmRequestType,
+              forced: list[int], params=None) -> WireRequest:
+        return WireRequest(
+            next(self.router.attempt_ids), req.external_id, prompt, max_tokens, req.spec.priority,
+            kind, list(req.spec.agent_hierarchy) or None, params,
+            WireSampling(**{**req.sampling, "max_tokens": max_tokens}),
+            # The worker's own deadline for the attempt: it frees everything once it passes.
+            # It trails the router's, so the router answers DEADLINE_EXCEEDED (and aborts) first.
+            max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S, tuple(forced))
+
+    async def _stream(self, req: RouterRequest, worker_id: str, wire: WireRequest):
+        """A worker's updates for one attempt, over its request channel. An attempt waits as
+        long as the request's deadline allows while the worker is heard from (updates or the
+        step loop's heartbeats): a queued request is not a failed one. A worker silent for
+        worker_call_timeout_s, or a closed channel, is a WorkerFailure; a request the worker
+        finds invalid is RequestRejected (see _check_final)."""
+        attempt = wire.request_id
+        timeout = min(self.config.status_timeout_s, max(0.001, req.deadline - time.monotonic()))
+        channel = await self.registry.channel_for(worker_id, timeout)
+        req.attempts.append((worker_id, attempt))
+        try:
+            updates = channel.attempt(attempt)
+            channel.generate(wire)
+            silence_limit = self.config.worker_call_timeout_s
+            while True:
+                # Wake now and then to check the worker is still heard from.
+                wait = min(max(0.5, silence_limit / 3), max(0.001, req.deadline - time.monotonic()))
+                try:
+                    async with asyncio.timeout(wait):
+                        update = await updates.get()
+                except TimeoutError:
+                    if time.monotonic() >= req.deadline:
+                        raise
+                    silent = time.monotonic() - channel.last_heard
+                    if silent > silence_limit:
+                        self.registry.abort_attempt(worker_id, attempt)
+                        self.registry.mark_unhealthy(worker_id, f"silent for {silent:.1f} s")
+                        raise WorkerFailure(f"{worker_id} was silent for {silent:.1f} s "
+                                            "(no update, no heartbeat)") from None
+                    continue
+                if update is CLOSED:
+                    raise ChannelClosed(channel.closed_reason)
+                yield update
+                if update.finished:
+                    return
+        except TimeoutError as exc:  # the request's deadline
+            self.registry.abort_attempt(worker_id, attempt)
+            raise WorkerFailure(f"{worker_id}: the request's deadline passed") from exc
+        except ChannelClosed as exc:
+            self.registry.mark_unhealthy(worker_id, f"request channel closed: {exc}")
+            raise WorkerFailure(f"{worker_id}: {exc}") from exc
+        finally:
+            channel.forget(attempt)
+            if (worker_id, attempt) in req.attempts:
+                req.attempts.remove((worker_id, attempt))
+
+
+def sampling_of(spec: V.GenerateSpec) -> dict:
+    """The request's sampling fields (WireSampling's, max_tokens set per attempt)."""
+    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
+            "seed": spec.seed, "stop_token_ids": tuple(spec.stop_token_ids),
+            "ignore_eos": spec.ignore_eos}
+

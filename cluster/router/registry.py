@@ -1,0 +1,227 @@
+"""The router's view of its workers: who they are (``WorkerInfo``), their request channels, the
+load view built from their heartbeats, their health, restarts and events.
+
+Liveness: a worker whose channel is down is reconnected in the background; one whose heartbeats
+stopped is unhealthy. A dead worker (its channel closes, or a Ray actor error) is marked
+unhealthy at once; Ray restarts it, the reconnect finds a new incarnation (and its new channel
+endpoint) through ``info`` over Ray, and its heartbeats make it healthy again.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from pdserve.cluster import policies as P
+from pdserve.cluster.worker_channel import ChannelClosed, WorkerChannel
+from pdserve.transport.requests import WorkerEvent, WorkerInfo, WorkerStatus
+
+from .config import RouterConfig, WorkerFailure
+
+log = logging.getLogger("pdserve.router")
+
+MAX_EVENTS = 1000  # recent worker events kept for GetClusterStatus
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig, handles: dict[str, Any],
+                 infos: dict[str, WorkerInfo]) -> None:
+        self.config = config
+        self.handles = handles  # worker id -> Ray actor handle
+        self.infos = dict(infos)
+        self.ctx_ids = sorted(w for w, i in infos.items() if i.role == "context")
+        self.gen_ids = sorted(w for w, i in infos.items() if i.role == "generation")
+        self.loads: dict[str, P.WorkerLoad] = {
+            w: P.WorkerLoad(w, P.WorkerRole.CONTEXT if i.role == "context" else P.WorkerRole.GENERATION,
+                            free_kv_blocks=i.num_kv_blocks, total_kv_blocks=i.num_kv_blocks,
+                            max_batch_size=i.max_batch_size)
+            for w, i in infos.items()
+        }
+        self.channels: dict[str, WorkerChannel] = {}  # worker id -> its open request channel
+        self.statuses: dict[str, WorkerStatus] = {}  # worker id -> its last heartbeat status
+        self.violations: dict[str, list[str]] = {}  # worker id -> its last reported violations
+        self.restarts: dict[str, int] = {w: 0 for w in infos}
+        # The workers' transfer, pause and resume events, from their heartbeats (oldest first).
+        self.events: collections.deque[WorkerEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._reconnects: dict[str, asyncio.Task] = {}  # worker id -> its reconnect in progress
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self.handles)
+
+    # ------------------------------------------------------------------ channels
+
+    async def hear_all(self, timeout_s: float) -> None:
+        """Open every worker's channel and wait (bounded) for its first heartbeat, so the router
+        starts with real loads and GetClusterStatus has every worker from the first call. A
+        worker not heard by then is left to the refresh loop's reconnects."""
+        deadline = time.monotonic() + timeout_s
+        results = await asyncio.gather(*(self.open_channel(w, timeout_s) for w in self.handles),
+                                       return_exceptions=True)
+        for worker_id, result in zip(self.handles, results):
+            if isinstance(result, BaseException):
+                log.warning("request channel to %s: %r", worker_id, result)
+        while time.monotonic() < deadline and any(w not in self.statuses for w in self.handles):
+            await asyncio.sleep(0.02)
+
+    async def open_channel(self, worker_id: str, timeout_s: float) -> WorkerChannel:
+        """Connect (once, for every waiter). Its heartbeats make the worker healthy again."""
+        lock = self._connecting.setdefault(worker_id, asyncio.Lock())
+        async with lock:
+            channel = self.channels.get(worker_id)
+            if channel is not None and channel.open:
+                return channel
+            info = self.infos[worker_id]
+            channel = WorkerChannel(worker_id, info.request_endpoint, info.request_token,
+                                    on_status=self.on_status)
+            await channel.connect(timeout_s)
+            self.channels[worker_id] = channel
+            return channel
+
+    async def channel_for(self, worker_id: str, timeout_s: float) -> WorkerChannel:
+        """The worker's open request channel, connecting if needed; WorkerFailure if not."""
+        channel = self.channels.get(worker_id)
+        if channel is not None and channel.open:
+            return channel
+        try:
+            return await self.open_channel(worker_id, timeout_s)
+        except (OSError, TimeoutError) as exc:
+            self.mark_unhealthy(worker_id, f"request channel connect: {exc!r}")
+            raise WorkerFailure(f"{worker_id}: cannot open its request channel "
+                                f"({self.infos[worker_id].request_endpoint}): {exc!r}") from exc
+
+    def abort_attempt(self, worker_id: str, attempt: int) -> None:
+        """Fire and forget; the worker frees it. On the attempt's own channel the abort cannot
+        overtake the request; without a channel (it closed), Ray carries it (a worker that
+        lost its channel has aborted that channel's requests already)."""
+        channel = self.channels.get(worker_id)
+        if channel is not None and channel.open:
+            channel.abort(attempt)
+            return
+        try:
+            self.handles[worker_id].abort.remote(attempt)
+        except Exception:  # the actor is gone: nothing left to free there
+            pass
+
+    async def ask_status(self, worker_id: str) -> None:
+        """A status as fresh as the worker's last step, over its channel (applied there)."""
+        channel = self.channels.get(worker_id)
+        if channel is None or not channel.open:
+            return
+        try:
+            await channel.fresh_status(self.config.status_timeout_s)
+        except (TimeoutError, ChannelClosed) as exc:
+            log.warning("status of %s: %r", worker_id, exc)
+
+    def close(self) -> None:
+        for task in self._reconnects.values():
+            task.cancel()
+        for channel in self.channels.values():
+            channel.close("router stopping")
+
+    # ------------------------------------------------------------------ loads and health
+
+    def on_status(self, worker_id: str, s: WorkerStatus) -> None:
+        """A heartbeat's status (on the router's loop, from the channel's reader): the load
+        view, the worker's violations and its events."""
+        self.statuses[worker_id] = s
+        self.violations[worker_id] = list(s.violations)
+        if s.events:
+            self.events.extend(s.events)
+        old = self.loads[worker_id]
+        self.loads[worker_id] = P.WorkerLoad(
+            worker_id, old.role, active_requests=s.num_active + s.queue_depth,
+            queued_prompt_tokens=0, free_kv_blocks=s.free_blocks, total_kv_blocks=s.total_blocks,
+            max_batch_size=s.max_batch_size, healthy=s.healthy,
+            cached_block_hashes=old.cached_block_hashes)
+
+    def note_dispatch(self, worker_id: str, prompt_tokens: int) -> None:
+        """The optimistic view until the next heartbeat, so a burst spreads out."""
+        load = self.loads.get(worker_id)
+        if load is not None:
+            self.loads[worker_id] = load.with_dispatched(prompt_tokens)
+
+    def mark_unhealthy(self, worker_id: str, why: str = "") -> None:
+        old = self.loads.get(worker_id)
+        if old is not None and old.healthy:
+            log.warning("worker %s marked unhealthy: %s", worker_id, why)
+            self.loads[worker_id] = P.WorkerLoad(worker_id, old.role, healthy=False,
+                                                 max_batch_size=old.max_batch_size)
+
+    async def refresh(self) -> None:
+        """Liveness, not load (heartbeats bring the load). Only the prefix-cache policies still
+        ask workers over Ray, for their advertised hashes."""
+        now = time.monotonic()
+        for worker_id in self.handles:
+            channel = self.channels.get(worker_id)
+            if channel is None or not channel.open:
+                task = self._reconnects.get(worker_id)
+                if task is None or task.done():
+                    self._reconnects[worker_id] = asyncio.create_task(
+                        self._reconnect(worker_id), name=f"pdserve-reconnect-{worker_id}")
+                continue
+            heard = channel.status_at if channel.status is not None else channel.connected_at
+            if now - heard > self.config.status_timeout_s:
+                self.mark_unhealthy(worker_id, f"no heartbeat status for {now - heard:.1f} s")
+        if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
+            await asyncio.gather(*(self._refresh_hashes(w) for w in self.handles))
+
+    async def _refresh_hashes(self, worker_id: str) -> None:
+        try:
+            hashes = frozenset(await asyncio.wait_for(
+                self.handles[worker_id].cached_block_hashes.remote(), self.config.status_timeout_s))
+        except Exception as exc:
+            log.warning("cached block hashes of %s: %r", worker_id, exc)
+            return
+        self.loads[worker_id] = dataclasses.replace(self.loads[worker_id], cached_block_hashes=hashes)
+
+    async def _reconnect(self, worker_id: str) -> None:
+        """Open the worker's channel again. When its endpoint no longer answers, ask Ray for
+        the worker's info: a new incarnation means Ray restarted it (new endpoint)."""
+        timeout = self.config.status_timeout_s
+        try:
+            try:
+                await self.open_channel(worker_id, timeout)
+                return
+            except (OSError, TimeoutError) as exc:
+                first = exc
+            info = await asyncio.wait_for(self.handles[worker_id].info.remote(), timeout)
+            if info.incarnation == self.infos[worker_id].incarnation:
+                raise first
+            self._rejoin(worker_id, info)
+            await self.open_channel(worker_id, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.mark_unhealthy(worker_id, f"reconnect: {exc!r}")
+
+    def _rejoin(self, worker_id: str, info: WorkerInfo) -> None:
+        """A worker came back as a new process (Ray restarted it): take its new info."""
+        if info.role != self.infos[worker_id].role:
+            raise RuntimeError(f"{worker_id} came back with role {info.role}")
+        self.infos[worker_id] = info
+        old = self.channels.pop(worker_id, None)
+        if old is not None:  # the previous process's channel; the next request opens a new one
+            old.close(f"{worker_id} restarted")
+        self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
+        log.warning("worker %s rejoined (pid %s, incarnation %s)", worker_id, info.pid,
+                    info.incarnation)
+
+    def current_status(self, worker_id: str) -> tuple[WorkerStatus | None, float, str]:
+        """(the status the worker's open channel last brought, its age in seconds, why there is
+        none). A status from a channel since closed is not current."""
+        channel = self.channels.get(worker_id)
+        s = self.statuses.get(worker_id)
+        if s is None or channel is None or channel.status is not s:
+            why = (channel.closed_reason if channel is not None and channel.closed_reason
+                   else "no heartbeat from its request channel yet")
+            return None, 0.0, why
+        return s, time.monotonic() - channel.status_at, ""
+
+    def healthy(self, worker_id: str) -> bool:
+        channel = self.channels.get(worker_id)
+        return self.loads[worker_id].healthy and channel is not None and channel.open

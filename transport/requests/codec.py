@@ -1,0 +1,308 @@
+"""The request channel's frame codec: each frame is a msgpack array ``[FrameType, fields...]``
+(a dataclass's fields in order, so the layout is the protocol version); decoding checks every
+shape and type and raises ``ProtocolError`` naming the field."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Iterator
+
+import msgpack
+
+from pdserve.scheduler.request import ContextPhaseParams, LlmRequestType
+
+from . import types as T
+from .types import (
+    FINISH_REASONS,
+    PROTOCOL_VERSION,
+    Abort,
+    ErrorKind,
+    Frame,
+    FrameType,
+    Generate,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    ProtocolError,
+    Refused,
+    StatusQuery,
+    StatusReply,
+    TransferTotals,
+    Update,
+    UpdateInfo,
+    UpdateKind,
+    WireRequest,
+    WireSampling,
+    WireUpdate,
+    WorkerEvent,
+    WorkerStatus,
+)
+
+# ------------------------------------------------------------------ encoding (type -> list)
+
+
+def _params(p: ContextPhaseParams | None) -> list | None:
+    if p is None:
+        return None
+    return [p.ctx_request_id, list(p.first_gen_tokens), p.opaque_state, p.draft_tokens,
+            p.prompt_token_ids, p.ctx_worker_id, p.num_blocks]
+
+
+def _request(r: WireRequest) -> list:
+    s = r.sampling
+    return [r.request_id, r.client_id, r.prompt, r.max_new_tokens, r.priority, int(r.type),
+            [list(level) for level in r.agent_hierarchy] if r.agent_hierarchy is not None else None,
+            _params(r.context_phase_params),
+            [s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, list(s.stop_token_ids),
+             s.ignore_eos],
+            r.deadline_s, list(r.forced_tokens)]
+
+
+def _info(i: UpdateInfo | None) -> list | None:
+    if i is None:
+        return None
+    return [i.pauses, i.kv_transfer_bytes, i.kv_transfer_seconds, i.kv_transfer_blocks,
+            i.cached_tokens]
+
+
+def _update(u: WireUpdate) -> list:
+    return [u.request_id, int(u.kind), u.new_token_ids, u.finish_reason,
+            _params(u.context_phase_params), int(u.error), u.message, _info(u.info)]
+
+
+def _status(s: WorkerStatus) -> dict[str, Any]:
+    # A map, not a list: it travels twice a second, and a map stays readable in a packet dump.
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(WorkerStatus)}
+    d["transfers"] = {f.name: getattr(s.transfers, f.name) for f in dataclasses.fields(TransferTotals)}
+    d["events"] = [[getattr(e, f.name) for f in _EVENT_FIELDS] for e in s.events]
+    return d
+
+
+_EVENT_FIELDS = dataclasses.fields(WorkerEvent)
+
+
+def encode_frame(frame: Frame) -> bytes:
+    """One frame as bytes (msgpack array: [FrameType, fields...])."""
+    t = type(frame)
+    if t is Update:
+        body = [FrameType.UPDATE, *_update(frame.update)]
+    elif t is Generate:
+        body = [FrameType.GENERATE, *_request(frame.request)]
+    elif t is Heartbeat:
+        body = [FrameType.HEARTBEAT, _status(frame.status)]
+    elif t is StatusReply:
+        body = [FrameType.STATUS_REPLY, frame.query_id, _status(frame.status)]
+    elif t is Abort:
+        body = [FrameType.ABORT, frame.request_id]
+    elif t is StatusQuery:
+        body = [FrameType.STATUS_QUERY, frame.query_id]
+    elif t is Hello:
+        body = [FrameType.HELLO, frame.version, frame.token]
+    elif t is HelloAck:
+        body = [FrameType.HELLO_ACK, frame.version, frame.worker_id]
+    elif t is Refused:
+        body = [FrameType.REFUSED, frame.reason]
+    else:
+        raise TypeError(f"not a request-channel frame: {frame!r:.200}")
+    return msgpack.packb(body, use_bin_type=True)
+
+
+# ------------------------------------------------------------------ decoding (list -> type)
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ProtocolError(what)
+
+
+def _int(v: Any, what: str) -> int:
+    _check(type(v) is int, f"{what}: expected an integer, got {type(v).__name__}")
+    return v
+
+
+def _ints(v: Any, what: str) -> list[int]:
+    _check(type(v) is list and all(type(x) is int for x in v), f"{what}: expected a list of integers")
+    return v
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    _check(v is None or type(v) is str, f"{what}: expected a string or nil")
+    return v
+
+
+def _num(v: Any, what: str) -> float:
+    _check(type(v) in (int, float), f"{what}: expected a number, got {type(v).__name__}")
+    return v
+
+
+def _fields(body: list, n: int, what: str) -> list:
+    _check(type(body) is list and len(body) == n, f"{what}: expected {n} fields, got "
+           f"{len(body) if type(body) is list else type(body).__name__}")
+    return body
+
+
+def _params_from(v: Any) -> ContextPhaseParams | None:
+    if v is None:
+        return None
+    f = _fields(v, 7, "context_phase_params")
+    _check(f[2] is None or type(f[2]) is bytes, "context_phase_params.opaque_state: expected bytes")
+    return ContextPhaseParams(
+        _int(f[0], "context_phase_params.ctx_request_id"),
+        _ints(f[1], "context_phase_params.first_gen_tokens"), f[2],
+        None if f[3] is None else _ints(f[3], "context_phase_params.draft_tokens"),
+        None if f[4] is None else _ints(f[4], "context_phase_params.prompt_token_ids"),
+        _opt_str(f[5], "context_phase_params.ctx_worker_id"),
+        _int(f[6], "context_phase_params.num_blocks"))
+
+
+def _enum(cls: type[enum.IntEnum], v: Any, what: str):
+    try:
+        return cls(_int(v, what))
+    except ValueError:
+        raise ProtocolError(f"{what}: unknown {cls.__name__} {v}") from None
+
+
+def _request_from(f: list) -> WireRequest:
+    f = _fields(f, 11, "generate")
+    hierarchy = f[6]
+    if hierarchy is not None:
+        _check(type(hierarchy) is list and all(
+            type(h) is list and len(h) == 2 and type(h[0]) is str and type(h[1]) is int
+            for h in hierarchy), "generate.agent_hierarchy: expected [[agent_type, node_id], ...]")
+        hierarchy = [tuple(h) for h in hierarchy]
+    s = _fields(f[8], 7, "generate.sampling")
+    _check(s[4] is None or type(s[4]) is int, "generate.sampling.seed: expected an integer or nil")
+    _check(type(s[6]) is bool, "generate.sampling.ignore_eos: expected a boolean")
+    sampling = WireSampling(_int(s[0], "generate.sampling.max_tokens"),
+                            _num(s[1], "generate.sampling.temperature"),
+                            _int(s[2], "generate.sampling.top_k"), _num(s[3], "generate.sampling.top_p"),
+                            s[4], tuple(_ints(s[5], "generate.sampling.stop_token_ids")), s[6])
+    _check(f[9] is None or type(f[9]) in (int, float), "generate.deadline_s: expected a number or nil")
+    return WireRequest(_int(f[0], "generate.request_id"), _opt_str(f[1], "generate.client_id"),
+                       _ints(f[2], "generate.prompt"), _int(f[3], "generate.max_new_tokens"),
+                       _num(f[4], "generate.priority"),
+                       _enum(LlmRequestType, f[5], "generate.type"), hierarchy,
+                       _params_from(f[7]), sampling, f[9],
+                       tuple(_ints(f[10], "generate.forced_tokens")))
+
+
+def _update_from(f: list) -> WireUpdate:
+    f = _fields(f, 8, "update")
+    kind = _enum(UpdateKind, f[1], "update.kind")
+    info = None
+    if f[7] is not None:
+        i = _fields(f[7], 5, "update.info")
+        _check(i[3] is None or type(i[3]) is int, "update.info.kv_transfer_blocks: expected an integer or nil")
+        info = UpdateInfo(_int(i[0], "update.info.pauses"), _int(i[1], "update.info.kv_transfer_bytes"),
+                          _num(i[2], "update.info.kv_transfer_seconds"), i[3],
+                          _int(i[4], "update.info.cached_tokens"))
+    reason = _opt_str(f[3], "update.finish_reason")
+    _check((reason in FINISH_REASONS) == (kind == UpdateKind.FINISHED),
+           f"update.finish_reason {reason!r} does not fit kind {kind.name}")
+    params = _params_from(f[4])
+    _check((params is not None) == (kind == UpdateKind.CONTEXT_DONE),
+           f"update.context_phase_params does not fit kind {kind.name}")
+    error = _enum(ErrorKind, f[5], "update.error")
+    _check((error != ErrorKind.NONE) == (kind == UpdateKind.FAILED),
+           f"update.error {error.name} does not fit kind {kind.name}")
+    return WireUpdate(_int(f[0], "update.request_id"), kind, _ints(f[2], "update.new_token_ids"),
+                      reason, params, error, _opt_str(f[6], "update.message"), info)
+
+
+def _status_from(d: Any) -> WorkerStatus:
+    _check(type(d) is dict, "status: expected a map")
+    try:
+        t = d["transfers"]
+        _check(type(t) is dict, "status.transfers: expected a map")
+        transfers = TransferTotals(**{f.name: t[f.name] for f in dataclasses.fields(TransferTotals)})
+        events = []
+        for e in d["events"]:
+            _check(type(e) is list and len(e) == len(_EVENT_FIELDS), "status.events: bad event")
+            events.append(WorkerEvent(*e))
+        values = {f.name: d[f.name] for f in dataclasses.fields(WorkerStatus)}
+    except KeyError as exc:
+        raise ProtocolError(f"status: missing field {exc.args[0]!r}") from None
+    values.update(transfers=transfers, events=events)
+    for name in ("num_active", "queue_depth", "free_blocks", "total_blocks", "max_batch_size",
+                 "tokens_per_block"):
+        _int(values[name], f"status.{name}")
+    _check(type(values["requests_by_state"]) is dict, "status.requests_by_state: expected a map")
+    _check(type(values["violations"]) is list, "status.violations: expected a list")
+    return WorkerStatus(**values)
+
+
+def _decode(body: Any) -> Frame:
+    _check(type(body) is list and len(body) >= 1, "a frame must be a non-empty array")
+    kind = _enum(FrameType, body[0], "frame type")
+    rest = body[1:]
+    if kind == FrameType.UPDATE:
+        return Update(_update_from(rest))
+    if kind == FrameType.GENERATE:
+        return Generate(_request_from(rest))
+    if kind == FrameType.HEARTBEAT:
+        return Heartbeat(_status_from(_fields(rest, 1, "heartbeat")[0]))
+    if kind == FrameType.STATUS_REPLY:
+        f = _fields(rest, 2, "status reply")
+        return StatusReply(_int(f[0], "status reply.query_id"), _status_from(f[1]))
+    if kind == FrameType.ABORT:
+        return Abort(_int(_fields(rest, 1, "abort")[0], "abort.request_id"))
+    if kind == FrameType.STATUS_QUERY:
+        return StatusQuery(_int(_fields(rest, 1, "status query")[0], "status query.query_id"))
+    if kind == FrameType.HELLO:
+        f = _fields(rest, 2, "hello")
+        _check(type(f[1]) is str, "hello.token: expected a string")
+        return Hello(_int(f[0], "hello.version"), f[1])
+    if kind == FrameType.HELLO_ACK:
+        f = _fields(rest, 2, "hello ack")
+        _check(type(f[1]) is str, "hello ack.worker_id: expected a string")
+        return HelloAck(_int(f[0], "hello ack.version"), f[1])
+    f = _fields(rest, 1, "refused")
+    _check(type(f[0]) is str, "refused.reason: expected a string")
+    return Refused(f[0])
+
+
+def decode_frame(data: bytes) -> Frame:
+    """One whole frame from bytes; raises ProtocolError."""
+    try:
+        body = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"not a msgpack frame: {exc!r}") from None
+    return _decode(body)
+
+
+class FrameReader:
+    """Splits a byte stream into frames: ``feed`` what arrived, then iterate. A partial frame
+    waits for the rest; a frame over MAX_FRAME_BYTES or one that breaks the protocol raises
+    ProtocolError (the stream cannot be trusted after that)."""
+
+    def __init__(self) -> None:
+        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=T.MAX_FRAME_BYTES)
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._unpacker.feed(data)
+        except msgpack.BufferFull:
+            raise ProtocolError(f"a frame over {T.MAX_FRAME_BYTES} bytes") from None
+
+    def __iter__(self) -> Iterator[Frame]:
+        while True:
+            try:
+                body = next(self._unpacker)
+            except StopIteration:
+                return
+            except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+                    msgpack.BufferFull) as exc:
+                raise ProtocolError(f"garbled stream: {exc!r}") from None
+            yield _decode(body)
+
+
+def check_hello(frame: Frame, token: str, compare=None) -> str | None:
+    """The worker's check of the first frame: None to accept, else why it is refused.
+    ``compare``: a constant-time string comparison (``secrets.compare_digest``)."""
+    if not isinstance(frame, Hello):
+        return f"the first frame must be a hello, got {type(frame).__name__}"
+    if frame.version != PROTOCOL_VERSION:
+        return (f"protocol version {frame.version} is not spoken here "
+                f"(this worker speaks {PROTOCOL_VERSION})")
+    same = compare(frame.token, token) if compare is not None else frame.token == token
+    return None if same else "wrong token"

@@ -1,0 +1,146 @@
+"""The KV control path of a worker: KV control messages (``transport/protocol.py``) between
+a generation worker's transceiver and the context workers.
+
+Generation side (``KVControl.flush_outbox``, on the step loop's thread after each step): the
+transceiver's outbox is sent through a ``ControlPlane`` in outbox order, so KV requests reach a
+context worker in the order of their seqs (its pair thread serves them in that order); each
+reply is awaited on a small thread pool and handed back to the transceiver. A failed delivery
+fails the transfer at once instead of letting it run into its deadline; a reply saying the
+context worker's endpoint is gone (it restarted) marks that endpoint gone.
+
+Context side (``KVControl.serve``, on the caller's thread): a KV request answered once the send
+is over, or a cancel.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Protocol
+
+from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
+
+from . import events
+from .transceiver import ControlMessage, KVTransceiver
+
+log = logging.getLogger("pdserve.worker")
+
+CONTROL_THREADS = 8
+
+
+class ControlPlane(Protocol):
+    def send(self, message: ControlMessage) -> Callable[[], "bytes | None"]:
+        """Called on the loop thread, in outbox order: issue the message now (without blocking)
+        and return the wait for its reply, which a control-pool thread runs. The wait raises
+        ``PeerGone`` when the context worker is gone for good (its endpoint with it)."""
+        ...
+
+
+class PeerGone(ConnectionError):
+    """The context worker a control message was for no longer exists."""
+
+
+class KVTransferFailed(RuntimeError):
+    """A context worker's send failed; ``payload`` is the encoded ``TransferDone`` the caller
+    still needs. The Ray actor raises it, so the dashboard shows the transfer task FAILED."""
+
+    def __init__(self, message: str, payload: bytes = b"") -> None:
+        super().__init__(message, payload)  # both in args: the exception crosses processes
+        self.payload = payload
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class KVControl:
+    def __init__(self, worker_id: str, transceiver: KVTransceiver | None,
+                 control: ControlPlane | None) -> None:
+        self.worker_id = worker_id
+        self.transceiver = transceiver
+        self.control = control
+        self._pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix=f"{worker_id}-kv-control")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def serve(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
+        """Context side, on the caller's thread (the transport's sessions are thread-safe): a
+        KV request, answered once the send is over, or a cancel. ``endpoint`` is the KV
+        endpoint the sender meant; another incarnation's is refused (``endpoint_gone``). A
+        failed send raises KVTransferFailed carrying its TransferDone; the line logged here
+        gives the duration and GB/s (on the dashboard: the transfer task's Log)."""
+        transceiver = self.transceiver
+        if transceiver is None or transceiver.sender is None:
+            raise RuntimeError(f"{self.worker_id} has no KV sender")
+        mine = endpoint is None or endpoint == transceiver.endpoint
+        msg = decode_message(payload)
+        if not isinstance(msg, KVRequest):
+            # a cancel for a previous incarnation: nothing of it is left here
+            return transceiver.sender.handle(payload) if mine else None
+        held = transceiver.transmitting.get(msg.ctx_request_id)  # a dict read
+        client = events.label(msg.ctx_request_id, held.client_id if held is not None else None)
+        if mine:
+            reply = transceiver.sender.handle(payload)
+        else:
+            reply = encode_message(TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                                f"endpoint gone: {endpoint}", 0, 0.0,
+                                                endpoint_gone=True))
+        done = decode_message(reply) if reply else None
+        if isinstance(done, TransferDone) and done.ok:
+            events.log.info("%s", events.transfer_line(
+                "send", client, self.worker_id, msg.gen_worker_id, msg.num_blocks, done.nbytes,
+                done.seconds, "SENT"))
+            return reply
+        reason = done.reason if isinstance(done, TransferDone) else "no answer from the send"
+        events.log.info("%s", events.transfer_line(
+            "send", client, self.worker_id, msg.gen_worker_id, msg.num_blocks,
+            msg.num_blocks * msg.bytes_per_block,
+            done.seconds if isinstance(done, TransferDone) else 0.0, "FAILED", reason))
+        raise KVTransferFailed(f"KV transfer of req={client} to {msg.gen_worker_id} failed: "
+                               f"{reason}", reply or b"")
+
+    def flush_outbox(self) -> None:
+        transceiver = self.transceiver
+        if transceiver is None:
+            return
+        while True:
+            try:
+                message = transceiver.outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if self.control is None:
+                    raise RuntimeError("no control plane to reach context workers")
+                wait = self.control.send(message)
+            except Exception as exc:
+                self._control_failed(message, exc)
+            else:
+                self._pool.submit(self._await_reply, message, wait)
+
+    def _await_reply(self, message: ControlMessage, wait: Callable[[], "bytes | None"]) -> None:
+        receiver = self.transceiver.receiver
+        try:
+            reply = wait()
+        except PeerGone as exc:
+            receiver.mark_gone(message.endpoint)
+            self._control_failed(message, exc)
+            return
+        except Exception as exc:
+            self._control_failed(message, exc)
+            return
+        if reply:
+            done = decode_message(reply)
+            if isinstance(done, TransferDone) and done.endpoint_gone:
+                log.warning("%s: context worker %s restarted; endpoint %s is gone",
+                            self.worker_id, message.ctx_worker_id, message.endpoint)
+                receiver.mark_gone(message.endpoint)
+        self.transceiver.deliver_reply(reply)
+
+    def _control_failed(self, message: ControlMessage, exc: BaseException) -> None:
+        log.warning("%s: KV control message to %s failed: %r", self.worker_id,
+                    message.ctx_worker_id, exc)
+        msg = decode_message(message.payload)
+        if isinstance(msg, KVRequest):  # fail the receive now rather than at its deadline
+            done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
+                                f"control plane to {message.ctx_worker_id}: {exc!r}", 0, 0.0)
+            self.transceiver.deliver_reply(encode_message(done))

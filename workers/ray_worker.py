@@ -1,0 +1,166 @@
+"""What the context and generation Ray actors share: a ``WorkerHost`` (host.py) plus what only
+Ray gives, the KV control plane over Ray calls and the actor methods. ``context_worker.py`` and
+``generation_worker.py`` apply Ray's decorator and pick the role and concurrency groups.
+
+KV control over Ray: the generation worker sends each control message as a ``kv_transfer``
+call to the context worker, named ``kv_transfer req=<id> ctx-0->gen-0 blocks=N bytes=B`` so the
+dashboard's task table shows one row per transfer; a Ray call from one thread starts on the
+actor in submission order, which keeps the outbox order. A failed send raises
+``KVTransferFailed`` on the context worker (the row shows FAILED with the reason) and the
+generation side takes the ``TransferDone`` out of the exception.
+
+Faults: Ray restarts a dead worker (``max_restarts``); the new process has a new incarnation and
+a new KV endpoint, which travels to generation workers inside the context-phase params. A KV
+control message addressed to a previous incarnation's endpoint is refused (``endpoint_gone``).
+If the step loop itself dies the process exits, so Ray restarts it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
+
+from . import events
+from .config import EngineConfig
+from .engine import build_worker_executor
+from .host import Faults, WorkerHost
+from .kv_control import KVTransferFailed, PeerGone
+from .names import NAMESPACE, actor_name
+from .transceiver import ControlMessage
+
+log = logging.getLogger("pdserve.worker")
+
+UPDATE_WAIT_S = 600.0  # longest wait for one update of a request without a deadline
+FATAL_EXIT_DELAY_S = 1.0  # lets the error updates reach the router before the process exits
+CONTROL_MARGIN_S = 15.0  # a kv_transfer call may take the transfer's timeout plus this
+
+
+class RayControlPlane:
+    """KV control messages as ``kv_transfer`` calls on the context workers' actors."""
+
+    def __init__(self, transfer_timeout_s: float) -> None:
+        self.transfer_timeout_s = transfer_timeout_s
+        self._handles: dict[str, Any] = {}
+
+    def send(self, message: ControlMessage) -> Callable[[], "bytes | None"]:
+        import ray
+
+        handle = self._handles.get(message.ctx_worker_id)
+        if handle is None:
+            handle = ray.get_actor(actor_name(message.ctx_worker_id), namespace=NAMESPACE)
+            self._handles[message.ctx_worker_id] = handle
+        ref = handle.kv_transfer.options(name=message.task_name).remote(message.payload,
+                                                                        message.endpoint)
+        return lambda: self._wait(message.ctx_worker_id, ref)
+
+    def _wait(self, ctx_worker_id: str, ref) -> bytes | None:
+        import ray
+        from ray.exceptions import ActorDiedError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=self.transfer_timeout_s + CONTROL_MARGIN_S)
+        except RayTaskError as err:
+            if not isinstance(err.cause, KVTransferFailed):
+                raise
+            return err.cause.payload or None  # the send's own TransferDone, with its reason
+        except ActorDiedError as err:  # dead for good (no restarts left): so is its endpoint
+            self._handles.pop(ctx_worker_id, None)
+            raise PeerGone(f"{ctx_worker_id}: {err}") from err
+        except Exception:
+            self._handles.pop(ctx_worker_id, None)  # a restarted actor gets a fresh handle
+            raise
+
+
+class RayWorker:
+    """The actor methods; the decorated subclasses only route them to concurrency groups."""
+
+    role: str = "context"
+
+    def __init__(self, worker_id: str, model_dir: str, engine: dict[str, Any], *,
+                 lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
+                 torch_threads: int | None = None,
+                 metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
+                 connect_timeout_s: float = 10.0) -> None:
+        import ray
+        import torch
+
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page
+        self.worker_id = worker_id
+        config = EngineConfig.from_kwargs(engine)
+        faults = Faults(stall_send_s=stall_send_s)
+        self.loaded, executor = build_worker_executor(
+            worker_id, self.role, model_dir, config, lease_s=lease_s,
+            transfer_timeout_s=transfer_timeout_s, connect_timeout_s=connect_timeout_s,
+            stall_send_s=lambda: faults.stall_send_s)
+        # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
+        self.host = WorkerHost(
+            executor, worker_id=worker_id, role=self.role, config=config,
+            control=RayControlPlane(transfer_timeout_s),
+            channel_host=ray.util.get_node_ip_address(),
+            metrics=metrics(self.role, actor_name(worker_id)) if metrics is not None else None,
+            faults=faults, on_fatal=self._on_fatal)
+        log.info("%s ready: %d KV blocks of %d tokens", worker_id, executor.kv.num_blocks,
+                 config.tokens_per_block)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.worker_id})"  # the dashboard's Actors page shows it
+
+    def info(self) -> WorkerInfo:
+        return self.host.info(self.loaded.config.vocab_size)
+
+    def generate(self, wire: WireRequest) -> Iterator[WireUpdate]:
+        """The request's updates as a Ray streaming generator (for callers holding only an
+        actor handle; the router uses the request channel)."""
+        stream = self.host.stream(wire)
+        deadline = None if wire.deadline_s is None else time.monotonic() + wire.deadline_s
+        while not stream.finished:
+            wait = UPDATE_WAIT_S
+            if deadline is not None:  # the executor ends it at the deadline; allow a margin
+                wait = min(wait, max(0.0, deadline - time.monotonic()) + 30.0)
+            yield stream.get(wait)
+
+    def request_channel(self) -> dict[str, Any]:
+        channel = self.host.channel
+        return {"endpoint": channel.endpoint, "connections": channel.num_connections}
+
+    def abort(self, request_id: int) -> bool:
+        return bool(self.host.call(lambda: self.host.abort_now(request_id)))
+
+    def status(self) -> dict[str, Any]:
+        """For tools and tests (the router reads heartbeats): transfer records included."""
+        return self.host.call(self.host.status_map)  # type: ignore[return-value]
+
+    def request_states(self) -> dict[int, str]:
+        return self.host.call(self.host.executor.request_states)  # type: ignore[return-value]
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.host.cached_block_hashes()
+
+    def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
+        """Runs in the "transfer" concurrency group: returns when the bytes have landed."""
+        return self.host.kv_control.serve(payload, endpoint)
+
+    def test_hook(self, name: str, *args: Any) -> Any:
+        return self.host.test_hook(name, *args)
+
+    def ping(self) -> str:
+        return "pong"
+
+    def shutdown(self) -> None:
+        self.host.stop()
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        """The step loop died: exit, so Ray restarts this worker with a fresh state."""
+        log.critical("%s: step loop died (%r); exiting for a restart", self.worker_id, exc)
+
+        def exit_later() -> None:
+            time.sleep(FATAL_EXIT_DELAY_S)
+            os._exit(1)
+
+        threading.Thread(target=exit_later, name="pdserve-fatal-exit", daemon=True).start()
