@@ -235,7 +235,7 @@ def _status(argv: list[str]) -> int:
     from rich.console import Console
 
     from pdserve.cluster.client import Client
-    from pdserve.cli.top import render_status, status_to_dict
+    from pdserve.cli.views import render_status, status_to_dict
 
     with Client(f"{args.host}:{args.port}") as client:
         try:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from rich.console import Console
 
-from pdserve.cli import main as cli, top
+from pdserve.cli import main as cli, top, views
 from pdserve.cluster.rpc import router_pb2 as pb
 
 E = pb.ClusterEvent
@@ -121,7 +121,7 @@ def assert_fits_80(text: str, tables: list[list[str]]) -> None:
 
 def test_top_fits_80_columns_with_every_header_whole():
     prev, cur = make_status(0), make_status(1)
-    text = render(top.render_top(cur, top.compute_rates(prev, cur, 2.0), address="127.0.0.1:50051",
+    text = render(views.render_top(cur, views.compute_rates(prev, cur, 2.0), address="127.0.0.1:50051",
                                  interval_s=1.0, now=T0))
     assert_fits_80(text, TOP_HEADERS)
     for worker in ("ctx-0", "gen-0"):
@@ -138,7 +138,7 @@ def test_top_fits_80_columns_with_every_header_whole():
 
 
 def test_status_fits_80_columns_with_every_header_whole():
-    text = render(top.render_status(make_status(3), address="127.0.0.1:50051"))
+    text = render(views.render_status(make_status(3), address="127.0.0.1:50051"))
     assert_fits_80(text, STATUS_HEADERS)
     assert "ctx-0" in text and "gen-0" in text
     assert LONG_WORKER in column_text(text, STATUS_HEADERS[0], "worker")
@@ -148,10 +148,10 @@ def test_status_fits_80_columns_with_every_header_whole():
 
 
 def test_top_without_events_and_with_a_status_not_yet_received():
-    text = render(top.render_top(make_status(events=False), events=8, now=T0))
+    text = render(views.render_top(make_status(events=False), events=8, now=T0))
     assert_fits_80(text, TOP_HEADERS[:1])
     assert "transfers 0" in text
-    text = render(top.render_top(None, error="UNAVAILABLE: failed to connect", now=T0))
+    text = render(views.render_top(None, error="UNAVAILABLE: failed to connect", now=T0))
     assert "router unreachable: UNAVAILABLE: failed to connect" in text
 
 
@@ -161,19 +161,19 @@ def test_extreme_counters_still_fit():
         w.pauses, w.transfers.count, w.transfers.bytes = 2**50, 2**45, 2**60
         w.active_requests, w.queue_depth, w.paused_requests = 123_456, 654_321, 99_999
         w.free_kv_blocks, w.total_kv_blocks = 1, 999_999
-    assert_fits_80(render(top.render_status(status)), STATUS_HEADERS)
-    assert_fits_80(render(top.render_top(status, top.compute_rates(make_status(0), status, 0.001))),
+    assert_fits_80(render(views.render_status(status)), STATUS_HEADERS)
+    assert_fits_80(render(views.render_top(status, views.compute_rates(make_status(0), status, 0.001))),
                    TOP_HEADERS)
 
 
 # ---------------------------------------------------------------------- numbers
 
 def test_rates_from_two_snapshots_over_the_elapsed_time():
-    first = top.compute_rates(None, make_status(0), None)
+    first = views.compute_rates(None, make_status(0), None)
     assert first.tokens_per_s == {"ctx-0": None, "gen-0": None, LONG_WORKER: None}
     assert first.transfers_per_s is None and first.gbytes_per_s is None and first.pauses_per_min is None
 
-    r = top.compute_rates(make_status(0), make_status(2), 4.0)
+    r = views.compute_rates(make_status(0), make_status(2), 4.0)
     assert r.tokens_per_s == {"ctx-0": 2.5, "gen-0": 50.0, LONG_WORKER: 25.0}
     assert r.cluster_tokens_per_s == pytest.approx(77.5)
     # generation workers only: gen-0 +2 and the long one +2 transfers; +4 MB + 4 MB
@@ -181,35 +181,35 @@ def test_rates_from_two_snapshots_over_the_elapsed_time():
     assert r.gbytes_per_s == pytest.approx(8e6 / 4.0 / 1e9)
     assert r.pauses_per_min == pytest.approx(2 * 60 / 4.0)
 
-    text = render(top.render_top(make_status(2), r, now=T0))
+    text = render(views.render_top(make_status(2), r, now=T0))
     row = next(line for line in text.splitlines() if line.startswith("gen-0"))
     assert row.split()[-1] == "50.0"
     assert "tok/s 77.5" in text and "transfers/s 1.0" in text and "GB/s 0.002" in text
     assert "pauses/min 30.0" in text
 
-    first_text = render(top.render_top(make_status(0), first, now=T0))
+    first_text = render(views.render_top(make_status(0), first, now=T0))
     row = next(line for line in first_text.splitlines() if line.startswith("gen-0"))
     assert row.split()[-1] == "-"
 
 
 def test_a_counter_that_went_backwards_gives_no_rate():
-    r = top.compute_rates(make_status(5), make_status(1), 1.0)
+    r = views.compute_rates(make_status(5), make_status(1), 1.0)
     assert r.tokens_per_s["gen-0"] is None and r.cluster_tokens_per_s is None
 
 
 def test_request_counts_are_disjoint():
     gen0 = make_status().workers[1]
-    c = top.request_counts(gen0)
+    c = views.request_counts(gen0)
     # pre-token states: CONTEXT_INIT 3 + DISAGG_GENERATION_INIT 1 = 4, less 1 paused
     assert (c.run, c.wait, c.paused) == (10, 3, 1)
     assert c.run + c.wait + c.paused == gen0.active_requests + gen0.queue_depth
 
 
 def test_human_units():
-    assert top.human_bytes(512) == "512 B"
-    assert top.human_bytes(96 * 1024) == "96.0 KiB"
-    assert top.human_bytes(3 * 2**30) == "3.0 GiB"
-    assert top.count(999_999) == "999999" and top.count(1_234_567) == "1.235M"
+    assert views.human_bytes(512) == "512 B"
+    assert views.human_bytes(96 * 1024) == "96.0 KiB"
+    assert views.human_bytes(3 * 2**30) == "3.0 GiB"
+    assert views.count(999_999) == "999999" and views.count(1_234_567) == "1.235M"
 
 
 # ---------------------------------------------------------------------- the loop
@@ -291,7 +291,7 @@ def test_top_is_a_registered_command(capsys):
 def test_json_numbers_are_numbers():
     status = make_status(1)
     status.recent_events[1].request_id = "12345"  # a string that looks numeric stays a string
-    data = json.loads(json.dumps(top.status_to_dict(status)))
+    data = json.loads(json.dumps(views.status_to_dict(status)))
     gen = {w["workerId"]: w for w in data["workers"]}["gen-0"]
     for key in ("pauses", "generatedTokens", "contextTokens", "freeKvBlocks", "activeRequests",
                 "pausedRequests"):
