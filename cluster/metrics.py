@@ -23,8 +23,8 @@ stay. So a worker that went idle, whose gauges were only set after steps, lost i
 request gauges from Prometheus a few seconds after the load stopped. Hence the timers:
 
 - ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(executor)`` after every
-  executor step (``WorkerLoop(on_step=...)``) and ``tick(executor)`` every loop turn (a
-  ``WorkerLoop`` tick hook: at least every ``idle_wait_s``, idle included). Counters and
+  executor step and ``tick(executor)`` every turn of the ``WorkerHost`` loop (at least every
+  ``idle_wait_s``, idle included). Counters and
   histograms come from the deltas of the executor's cumulative ``ExecutorStats`` and of the
   transport's ``TransferLog`` (the transceiver's ``transfers``); gauges (requests per state, KV
   blocks) are set again, changed or not, whenever ``gauge_interval_s`` (0.5 s) has passed,
@@ -299,13 +299,6 @@ def gauges_from_executor(executor: Executor) -> WorkerGauges:
                         t.num_quarantined_blocks if t is not None else 0)
 
 
-def gauges_from_status(status: Mapping[str, Any]) -> WorkerGauges:
-    """The same values from an ``Executor.status()`` dict."""
-    free, total = int(status["free_blocks"]), int(status["total_blocks"])
-    return WorkerGauges(dict(status["requests_by_state"]), total - free, free, total,
-                        int(status.get("quarantined_blocks", 0)))
-
-
 class _Counters(NamedTuple):
     steps: int
     schedule_seconds: float
@@ -354,7 +347,7 @@ class WorkerMetrics(_Recorder):
         self.tick(executor, force=force or not executor.has_work)
 
     def tick(self, executor: Executor, *, force: bool = False) -> None:
-        """Every loop turn, idle included (a WorkerLoop tick hook): set every gauge again when
+        """Every loop turn, idle included (from the WorkerHost loop): set every gauge again when
         ``gauge_interval_s`` has passed, so Ray keeps exporting them (see the module docstring).
         Not due: one clock read."""
         now = self._clock()

@@ -395,17 +395,16 @@ def test_steps_and_ticks_share_one_gauge_timer():
     assert len(factory.calls(M.KV_BLOCKS_FREE)) == 2
 
 
-def test_gauges_from_a_status_dict_match_the_executor_snapshot():
+def test_gauges_from_the_executor_count_live_requests_and_blocks():
     t = FakeTransceiver()
     ex = FakeExecutor(t)
     ex.waiting = [_request(1, S.CONTEXT_INIT)]
     ex.kv.add_sequence(ex.waiting[0])
     t.draining[4] = _request(4, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
     t.num_quarantined_blocks = 3
-    # The keys Executor.status() returns.
-    status = {"requests_by_state": {"CONTEXT_INIT": 1, "DISAGG_GENERATION_TRANS_IN_PROGRESS": 1},
-              "free_blocks": ex.kv.get_num_free_blocks(), "total_blocks": 32, "quarantined_blocks": 3}
-    assert M.gauges_from_status(status) == M.gauges_from_executor(ex)
+    free = ex.kv.get_num_free_blocks()
+    assert M.gauges_from_executor(ex) == M.WorkerGauges(
+        {"CONTEXT_INIT": 1, "DISAGG_GENERATION_TRANS_IN_PROGRESS": 1}, 32 - free, free, 32, 3)
 
 
 # ---------------------------------------------------------------------------- router
