@@ -29,7 +29,7 @@ import grpc
 
 from pdserve.cluster import policies as P
 from pdserve.cluster import validation as V
-from pdserve.cluster.metrics import KV_PATH_KINDS
+from pdserve.cluster.metric_specs import KV_PATH_KINDS
 from pdserve.cluster.text_stream import TextStream
 from pdserve.scheduler import AgentTreePolicy, LlmRequest, insert_request_in_order
 from pdserve.transport.requests import UpdateInfo, WorkerInfo

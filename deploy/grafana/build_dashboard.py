@@ -1,4 +1,4 @@
-"""Writes pdserve-dashboard.json: one Grafana panel per metric in pdserve.cluster.metrics, plus
+"""Writes pdserve-dashboard.json: one Grafana panel per metric in pdserve.cluster.metric_specs, plus
 a few panels derived from the exact counters.
 
     python deploy/grafana/build_dashboard.py        # rewrite the JSON next to this file
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.cluster.metrics import COUNTER, GAUGE, HISTOGRAM, METRICS, ROLE, WORKER, MetricSpec
+from pdserve.cluster.metric_specs import COUNTER, GAUGE, HISTOGRAM, METRICS, ROLE, WORKER, MetricSpec
 
 OUT = Path(__file__).with_name("pdserve-dashboard.json")
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

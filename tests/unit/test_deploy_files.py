@@ -1,5 +1,5 @@
 """deploy/: every YAML and JSON parses; the Grafana dashboard has a panel for every metric that
-cluster/metrics.py defines (read from the module), takes totals and means from counters only and
+cluster/metric_specs.py defines (read from the module), takes totals and means from counters only and
 matches its generator; the Grafana provisioning file loads it; the Prometheus configs are valid
 (promtool, where installed); the cluster manifests start pdserve with `pdserve launch` and pin
 torch. tests/integration/test_prometheus_scrape.py runs the dashboard's queries on a real
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster import metrics as M
+from pdserve.cluster import metric_specs as MS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -40,9 +40,9 @@ def _panels(dashboard: dict) -> list[dict]:
     return out
 
 
-def _series_pattern(spec: M.MetricSpec) -> re.Pattern:
-    series = {M.COUNTER: f"ray_{spec.name}_total", M.GAUGE: f"ray_{spec.name}",
-              M.HISTOGRAM: f"ray_{spec.name}_bucket"}[spec.kind]
+def _series_pattern(spec: MS.MetricSpec) -> re.Pattern:
+    series = {MS.COUNTER: f"ray_{spec.name}_total", MS.GAUGE: f"ray_{spec.name}",
+              MS.HISTOGRAM: f"ray_{spec.name}_bucket"}[spec.kind]
     return re.compile(rf"(?<![A-Za-z0-9_]){series}(?![A-Za-z0-9_])")
 
 
@@ -65,7 +65,7 @@ def test_expected_deploy_files_exist():
 # ---------------------------------------------------------------------------- grafana
 
 
-def _primary_panel(panels: list[dict], spec: M.MetricSpec) -> list[dict]:
+def _primary_panel(panels: list[dict], spec: MS.MetricSpec) -> list[dict]:
     """The panel the generator writes for ``spec`` (its description names the metric)."""
     return [p for p in panels if p.get("description", "").endswith(f"({spec.kind} {spec.name})")]
 
@@ -73,8 +73,8 @@ def _primary_panel(panels: list[dict], spec: M.MetricSpec) -> list[dict]:
 def test_dashboard_has_a_panel_for_every_metric():
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in _panels(dashboard) if p["type"] != "row"]
-    assert len(M.METRICS) >= 20
-    for spec in M.METRICS:
+    assert len(MS.METRICS) >= 20
+    for spec in MS.METRICS:
         (panel,) = _primary_panel(panels, spec)
         pattern = _series_pattern(spec)
         exprs = [t["expr"] for t in panel["targets"]]
@@ -82,22 +82,22 @@ def test_dashboard_has_a_panel_for_every_metric():
         for expr in exprs:
             assert 'role=~"$role"' in expr and 'worker=~"$worker"' in expr, expr
             assert expr.count("(") == expr.count(")"), expr
-            if spec.kind == M.COUNTER:
+            if spec.kind == MS.COUNTER:
                 assert expr.startswith("sum by") and "rate(" in expr, expr
-            elif spec.kind == M.HISTOGRAM:
+            elif spec.kind == MS.HISTOGRAM:
                 assert expr.startswith("histogram_quantile(") and "by (le," in expr, expr
             else:
                 assert "rate(" not in expr, expr
-        if spec.kind == M.HISTOGRAM:
+        if spec.kind == MS.HISTOGRAM:
             assert len(exprs) == 3  # p50, p95, p99
 
 
 def _allowed_series() -> set[str]:
     out = set()
-    for spec in M.METRICS:
-        if spec.kind == M.COUNTER:
+    for spec in MS.METRICS:
+        if spec.kind == MS.COUNTER:
             out.add(f"ray_{spec.name}_total")
-        elif spec.kind == M.GAUGE:
+        elif spec.kind == MS.GAUGE:
             out.add(f"ray_{spec.name}")
         else:  # never _sum: Ray builds it from bucket midpoints
             out |= {f"ray_{spec.name}_bucket", f"ray_{spec.name}_count"}
@@ -118,8 +118,8 @@ def test_every_dashboard_query_names_real_series_and_no_histogram_sum():
             assert expr.count("(") == expr.count(")"), expr
             used |= names
     # The exact counters are on the dashboard: totals and means come from them.
-    for spec in (M.TOKENS, M.SCHEDULER_STEPS, M.FORWARD_TIME, M.KV_TRANSFER_TIME, M.ROUTER_KV_PATHS,
-                 M.KV_TRANSFER_BYTES, M.PAUSED_REQUESTS):
+    for spec in (MS.TOKENS, MS.SCHEDULER_STEPS, MS.FORWARD_TIME, MS.KV_TRANSFER_TIME, MS.ROUTER_KV_PATHS,
+                 MS.KV_TRANSFER_BYTES, MS.PAUSED_REQUESTS):
         assert spec.prometheus_name in used, spec.name
 
 

@@ -10,6 +10,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.cluster import metric_specs as MS
 from pdserve.cluster import metrics as M
 from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
 from pdserve.transport.protocol import TransferLog, TransferRecord
@@ -61,7 +62,7 @@ class FakeFactory:
         assert boundaries == sorted(boundaries) and boundaries[0] > 0
         return self._make("histogram", name, tag_keys)
 
-    def calls(self, spec: M.MetricSpec, **tags: str) -> list[float]:
+    def calls(self, spec: MS.MetricSpec, **tags: str) -> list[float]:
         metric = self.metrics.get(spec.name)
         if metric is None:
             return []
@@ -136,20 +137,20 @@ def test_importing_the_module_loads_no_ray():
 
 
 def test_metric_definitions_are_well_formed():
-    names = [m.name for m in M.METRICS]
+    names = [m.name for m in MS.METRICS]
     assert len(names) == len(set(names)) >= 20
-    assert tuple(names) == M.METRIC_NAMES
-    for m in M.METRICS:
+    assert tuple(names) == MS.METRIC_NAMES
+    for m in MS.METRICS:
         assert re.fullmatch(r"pdserve_[a-z0-9_]+", m.name), m.name
         assert not m.name.endswith("_total"), "Ray appends _total to counters"
-        assert m.tag_keys[:2] == (M.ROLE, M.WORKER)
-        assert m.kind in (M.COUNTER, M.GAUGE, M.HISTOGRAM)
-        if m.kind == M.HISTOGRAM:
+        assert m.tag_keys[:2] == (MS.ROLE, MS.WORKER)
+        assert m.kind in (MS.COUNTER, MS.GAUGE, MS.HISTOGRAM)
+        if m.kind == MS.HISTOGRAM:
             assert list(m.boundaries) == sorted(set(m.boundaries)) and m.boundaries[0] > 0
         else:
             assert m.boundaries == ()
-    assert M.PAUSED_REQUESTS.prometheus_name == "ray_pdserve_paused_requests_total"
-    assert M.KV_BLOCKS_USED.prometheus_name == "ray_pdserve_kv_blocks_used"
+    assert MS.PAUSED_REQUESTS.prometheus_name == "ray_pdserve_paused_requests_total"
+    assert MS.KV_BLOCKS_USED.prometheus_name == "ray_pdserve_kv_blocks_used"
 
 
 def test_metric_objects_are_created_lazily_and_once():
@@ -160,8 +161,8 @@ def test_metric_objects_are_created_lazily_and_once():
     metrics.observe(ex)
     _step(ex, gen=1)
     metrics.observe(ex)  # FakeFactory asserts no name is created twice
-    assert M.SCHEDULER_STEP_SECONDS.name in factory.metrics
-    assert M.KV_TRANSFERS.name not in factory.metrics  # nothing transferred yet
+    assert MS.SCHEDULER_STEP_SECONDS.name in factory.metrics
+    assert MS.KV_TRANSFERS.name not in factory.metrics  # nothing transferred yet
 
 
 # ---------------------------------------------------------------------------- worker deltas
@@ -175,19 +176,19 @@ def test_counters_record_deltas_and_histograms_one_value_per_step():
     _step(ex, schedule=0.002, forward=0.02, gen=3, pauses=2, finished=1)
     ex.stats.aborted += 1
     metrics.observe(ex)
-    assert factory.calls(M.PAUSED_REQUESTS, role="context", worker="pdserve-ctx-0") == [1, 2]
-    assert factory.calls(M.FINISHED_REQUESTS, outcome="finished") == [1]
-    assert factory.calls(M.FINISHED_REQUESTS, outcome="aborted") == [1]
-    assert factory.calls(M.TOKENS_PER_STEP, kind="context") == [16]
-    assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2, 3]
-    assert factory.calls(M.SCHEDULER_STEP_SECONDS) == [0.001, 0.002]
-    assert [round(v, 9) for v in factory.calls(M.FORWARD_SECONDS)] == [0.01, 0.02]
+    assert factory.calls(MS.PAUSED_REQUESTS, role="context", worker="pdserve-ctx-0") == [1, 2]
+    assert factory.calls(MS.FINISHED_REQUESTS, outcome="finished") == [1]
+    assert factory.calls(MS.FINISHED_REQUESTS, outcome="aborted") == [1]
+    assert factory.calls(MS.TOKENS_PER_STEP, kind="context") == [16]
+    assert factory.calls(MS.TOKENS_PER_STEP, kind="generated") == [2, 3]
+    assert factory.calls(MS.SCHEDULER_STEP_SECONDS) == [0.001, 0.002]
+    assert [round(v, 9) for v in factory.calls(MS.FORWARD_SECONDS)] == [0.01, 0.02]
     # The exact totals, as counters.
-    assert factory.calls(M.SCHEDULER_STEPS) == [1, 1]
-    assert factory.calls(M.TOKENS, kind="context") == [16]
-    assert factory.calls(M.TOKENS, kind="generated") == [2, 3]
-    assert [round(v, 9) for v in factory.calls(M.SCHEDULER_TIME)] == [0.001, 0.002]
-    assert [round(v, 9) for v in factory.calls(M.FORWARD_TIME)] == [0.01, 0.02]
+    assert factory.calls(MS.SCHEDULER_STEPS) == [1, 1]
+    assert factory.calls(MS.TOKENS, kind="context") == [16]
+    assert factory.calls(MS.TOKENS, kind="generated") == [2, 3]
+    assert [round(v, 9) for v in factory.calls(MS.SCHEDULER_TIME)] == [0.001, 0.002]
+    assert [round(v, 9) for v in factory.calls(MS.FORWARD_TIME)] == [0.01, 0.02]
 
 
 def test_observing_twice_without_a_step_records_nothing_new():
@@ -206,13 +207,13 @@ def test_several_steps_between_observations_are_averaged_into_one():
     for _ in range(4):
         _step(ex, schedule=0.004, forward=0.0, gen=2)
     metrics.observe(ex)
-    assert [round(v, 9) for v in factory.calls(M.SCHEDULER_STEP_SECONDS)] == [0.004]
-    assert factory.calls(M.TOKENS_PER_STEP, kind="generated") == [2]
-    assert factory.calls(M.FORWARD_SECONDS) == []  # idle steps ran no forward
+    assert [round(v, 9) for v in factory.calls(MS.SCHEDULER_STEP_SECONDS)] == [0.004]
+    assert factory.calls(MS.TOKENS_PER_STEP, kind="generated") == [2]
+    assert factory.calls(MS.FORWARD_SECONDS) == []  # idle steps ran no forward
     # The counters keep the exact totals the averaged histogram cannot.
-    assert factory.calls(M.SCHEDULER_STEPS) == [4]
-    assert factory.calls(M.TOKENS, kind="generated") == [8]
-    assert factory.calls(M.FORWARD_TIME) == []
+    assert factory.calls(MS.SCHEDULER_STEPS) == [4]
+    assert factory.calls(MS.TOKENS, kind="generated") == [8]
+    assert factory.calls(MS.FORWARD_TIME) == []
 
 
 def test_a_new_executor_restarts_the_deltas_from_zero():
@@ -223,7 +224,7 @@ def test_a_new_executor_restarts_the_deltas_from_zero():
     fresh = FakeExecutor()
     _step(fresh, pauses=2)
     metrics.observe(fresh)
-    assert factory.calls(M.PAUSED_REQUESTS) == [5, 2]
+    assert factory.calls(MS.PAUSED_REQUESTS) == [5, 2]
 
 
 def test_transfers_are_recorded_once_each_by_outcome():
@@ -237,14 +238,14 @@ def test_transfers_are_recorded_once_each_by_outcome():
     t.finish(4, "FAILED", 0, 0.5)
     metrics.observe(ex)
     metrics.observe(ex)
-    assert factory.calls(M.KV_TRANSFERS, outcome="SENT") == [1, 1]
-    assert factory.calls(M.KV_TRANSFERS, outcome="EXPIRED") == [1]
-    assert factory.calls(M.KV_TRANSFERS, outcome="FAILED") == [1]
-    assert factory.calls(M.KV_TRANSFER_BYTES) == [2_000_000]
-    assert factory.calls(M.KV_LEASES_EXPIRED) == [1]
-    assert factory.calls(M.KV_TRANSFER_SECONDS) == [0.002, 0.001]  # successful transfers only
-    assert factory.calls(M.KV_TRANSFER_TIME) == [0.002, 0.001]
-    assert [round(v, 6) for v in factory.calls(M.KV_TRANSFER_GBPS)] == [1.0]  # 2 MB / 2 ms
+    assert factory.calls(MS.KV_TRANSFERS, outcome="SENT") == [1, 1]
+    assert factory.calls(MS.KV_TRANSFERS, outcome="EXPIRED") == [1]
+    assert factory.calls(MS.KV_TRANSFERS, outcome="FAILED") == [1]
+    assert factory.calls(MS.KV_TRANSFER_BYTES) == [2_000_000]
+    assert factory.calls(MS.KV_LEASES_EXPIRED) == [1]
+    assert factory.calls(MS.KV_TRANSFER_SECONDS) == [0.002, 0.001]  # successful transfers only
+    assert factory.calls(MS.KV_TRANSFER_TIME) == [0.002, 0.001]
+    assert [round(v, 6) for v in factory.calls(MS.KV_TRANSFER_GBPS)] == [1.0]  # 2 MB / 2 ms
 
 
 def test_more_new_transfers_than_the_bounded_record_deque_keeps():
@@ -255,12 +256,12 @@ def test_more_new_transfers_than_the_bounded_record_deque_keeps():
         t.finish(rid, "COMPLETE", 100, 0.001)
     metrics.observe(ex)
     # The bytes counter follows the totals; per-transfer metrics see what the deque kept.
-    assert factory.calls(M.KV_TRANSFER_BYTES) == [1000]
-    assert factory.calls(M.KV_TRANSFERS, outcome="COMPLETE") == [1, 1, 1]
+    assert factory.calls(MS.KV_TRANSFER_BYTES) == [1000]
+    assert factory.calls(MS.KV_TRANSFERS, outcome="COMPLETE") == [1, 1, 1]
     t.finish(10, "TIMED_OUT", 0, 30.0)
     metrics.observe(ex)
-    assert factory.calls(M.KV_TRANSFERS, outcome="TIMED_OUT") == [1]
-    assert len(factory.calls(M.KV_TRANSFERS)) == 4
+    assert factory.calls(MS.KV_TRANSFERS, outcome="TIMED_OUT") == [1]
+    assert len(factory.calls(MS.KV_TRANSFERS)) == 4
 
 
 @settings(max_examples=40, deadline=None)
@@ -279,21 +280,21 @@ def test_counter_increments_sum_to_the_cumulative_totals(events, observe_after):
         if i < len(observe_after) and observe_after[i]:
             metrics.observe(ex)
     metrics.observe(ex)
-    assert sum(factory.calls(M.PAUSED_REQUESTS)) == ex.stats.pauses
+    assert sum(factory.calls(MS.PAUSED_REQUESTS)) == ex.stats.pauses
     # Exact totals, whatever the histograms' averaging: tokens by kind, steps, seconds.
-    assert sum(factory.calls(M.TOKENS, kind="context")) == ex.stats.context_tokens
-    assert sum(factory.calls(M.TOKENS, kind="generated")) == ex.stats.generated_tokens
-    assert sum(factory.calls(M.SCHEDULER_STEPS)) == ex.stats.steps
-    assert abs(sum(factory.calls(M.SCHEDULER_TIME)) - ex.stats.schedule_seconds) < 1e-9
-    assert abs(sum(factory.calls(M.FORWARD_TIME)) - ex.stats.forward_seconds) < 1e-9
-    assert abs(sum(factory.calls(M.KV_TRANSFER_TIME)) - t.transfers.seconds) < 1e-9
-    assert sum(factory.calls(M.KV_TRANSFER_BYTES)) == t.transfers.bytes_sent + t.transfers.bytes_received
-    assert sum(factory.calls(M.KV_LEASES_EXPIRED)) == t.transfers.leases_expired
+    assert sum(factory.calls(MS.TOKENS, kind="context")) == ex.stats.context_tokens
+    assert sum(factory.calls(MS.TOKENS, kind="generated")) == ex.stats.generated_tokens
+    assert sum(factory.calls(MS.SCHEDULER_STEPS)) == ex.stats.steps
+    assert abs(sum(factory.calls(MS.SCHEDULER_TIME)) - ex.stats.schedule_seconds) < 1e-9
+    assert abs(sum(factory.calls(MS.FORWARD_TIME)) - ex.stats.forward_seconds) < 1e-9
+    assert abs(sum(factory.calls(MS.KV_TRANSFER_TIME)) - t.transfers.seconds) < 1e-9
+    assert sum(factory.calls(MS.KV_TRANSFER_BYTES)) == t.transfers.bytes_sent + t.transfers.bytes_received
+    assert sum(factory.calls(MS.KV_LEASES_EXPIRED)) == t.transfers.leases_expired
     total_transfers = t.transfers.sent + t.transfers.received + t.transfers.failed
-    assert sum(factory.calls(M.KV_TRANSFERS)) == total_transfers
+    assert sum(factory.calls(MS.KV_TRANSFERS)) == total_transfers
     for outcome in ("SENT", "COMPLETE", "FAILED", "EXPIRED"):
         expected = sum(r.outcome == outcome for r in t.transfers.records)
-        assert sum(factory.calls(M.KV_TRANSFERS, outcome=outcome)) == expected
+        assert sum(factory.calls(MS.KV_TRANSFERS, outcome=outcome)) == expected
 
 
 # ---------------------------------------------------------------------------- worker gauges
@@ -309,26 +310,26 @@ def test_gauges_are_rate_limited_and_states_that_empty_go_to_zero():
     t.transmitting[9] = _request(9, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
     t.num_quarantined_blocks = 2
     metrics.observe(ex)
-    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2]
-    assert factory.calls(M.REQUESTS_BY_STATE, state="DISAGG_CONTEXT_TRANS_IN_PROGRESS") == [1]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="DISAGG_CONTEXT_TRANS_IN_PROGRESS") == [1]
     used = ex.kv.get_num_used_blocks()
     assert used > 0
-    assert factory.calls(M.KV_BLOCKS_USED) == [used]
-    assert factory.calls(M.KV_BLOCKS_FREE) == [32 - used]
-    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32]
-    assert factory.calls(M.KV_BLOCKS_QUARANTINED) == [2]
+    assert factory.calls(MS.KV_BLOCKS_USED) == [used]
+    assert factory.calls(MS.KV_BLOCKS_FREE) == [32 - used]
+    assert factory.calls(MS.KV_BLOCKS_CAPACITY) == [32]
+    assert factory.calls(MS.KV_BLOCKS_QUARANTINED) == [2]
 
     ex.active = ex.active[:1]
     clock.now += 0.2
     metrics.observe(ex)  # not due yet
-    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32]
+    assert factory.calls(MS.KV_BLOCKS_CAPACITY) == [32]
     clock.now += 0.3
     metrics.observe(ex)  # due
-    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32, 32]
-    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2, 0]
+    assert factory.calls(MS.KV_BLOCKS_CAPACITY) == [32, 32]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [2, 0]
     metrics.observe(ex, force=True)
-    assert factory.calls(M.KV_BLOCKS_CAPACITY) == [32, 32, 32]
-    assert factory.calls(M.REQUESTS_BY_STATE, state="CONTEXT_INIT") == [1, 1, 1]
+    assert factory.calls(MS.KV_BLOCKS_CAPACITY) == [32, 32, 32]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="CONTEXT_INIT") == [1, 1, 1]
 
 
 def test_the_step_that_leaves_the_executor_idle_refreshes_the_gauges():
@@ -340,7 +341,7 @@ def test_the_step_that_leaves_the_executor_idle_refreshes_the_gauges():
     ex.has_work = False  # the last request finished in this step; the loop calls no more
     clock.now += 0.1
     metrics.observe(ex)
-    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0]
 
 
 def test_ticks_set_every_gauge_again_on_a_timer_while_idle():
@@ -351,20 +352,20 @@ def test_ticks_set_every_gauge_again_on_a_timer_while_idle():
     ex = FakeExecutor(t)
     ex.has_work = False
     metrics.tick(ex)  # the first tick sets them: exported from the start, before any step
-    assert factory.calls(M.KV_BLOCKS_FREE) == [32]
+    assert factory.calls(MS.KV_BLOCKS_FREE) == [32]
     for _ in range(3):  # frequent idle ticks: not due, nothing recorded
         clock.now += 0.125
         metrics.tick(ex)
-    assert factory.calls(M.KV_BLOCKS_FREE) == [32]
+    assert factory.calls(MS.KV_BLOCKS_FREE) == [32]
     clock.now += 0.125
     metrics.tick(ex)  # 0.5 s later: due
-    for name in (M.KV_BLOCKS_FREE, M.KV_BLOCKS_USED, M.KV_BLOCKS_CAPACITY, M.KV_BLOCKS_QUARANTINED):
+    for name in (MS.KV_BLOCKS_FREE, MS.KV_BLOCKS_USED, MS.KV_BLOCKS_CAPACITY, MS.KV_BLOCKS_QUARANTINED):
         assert len(factory.calls(name)) == 2, name
     for _ in range(20):  # 10 idle seconds: set again every 0.5 s
         clock.now += 0.5
         metrics.tick(ex)
-    assert factory.calls(M.KV_BLOCKS_FREE) == [32] * 22
-    assert factory.calls(M.KV_BLOCKS_USED) == [0] * 22
+    assert factory.calls(MS.KV_BLOCKS_FREE) == [32] * 22
+    assert factory.calls(MS.KV_BLOCKS_USED) == [0] * 22
 
 
 def test_ticks_keep_a_state_that_emptied_at_zero():
@@ -378,7 +379,7 @@ def test_ticks_keep_a_state_that_emptied_at_zero():
     for _ in range(3):
         clock.now += 0.5
         metrics.tick(ex)
-    assert factory.calls(M.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0, 0, 0, 0]
+    assert factory.calls(MS.REQUESTS_BY_STATE, state="GENERATION_IN_PROGRESS") == [1, 0, 0, 0, 0]
 
 
 def test_steps_and_ticks_share_one_gauge_timer():
@@ -387,12 +388,12 @@ def test_steps_and_ticks_share_one_gauge_timer():
     metrics.observe(ex)
     clock.now += 0.3
     metrics.tick(ex)  # a step set them 0.3 s ago: not due
-    assert len(factory.calls(M.KV_BLOCKS_FREE)) == 1
+    assert len(factory.calls(MS.KV_BLOCKS_FREE)) == 1
     clock.now += 0.2
     metrics.tick(ex)
     clock.now += 0.1
     metrics.observe(ex)  # the tick set them 0.1 s ago, and the executor still has work
-    assert len(factory.calls(M.KV_BLOCKS_FREE)) == 2
+    assert len(factory.calls(MS.KV_BLOCKS_FREE)) == 2
 
 
 def test_gauges_from_the_executor_count_live_requests_and_blocks():
@@ -429,43 +430,43 @@ def test_router_metrics_tag_every_event():
     router.observe_e2e(1.5)
     # Buffered off the request path until flush: then gauges give their last value, counters
     # their sum, histograms every observation.
-    assert all(not factory.calls(spec) for spec in (M.ROUTER_QUEUE_DEPTH, M.ROUTER_REQUESTS,
-                                                     M.ROUTER_TTFT_SECONDS))
+    assert all(not factory.calls(spec) for spec in (MS.ROUTER_QUEUE_DEPTH, MS.ROUTER_REQUESTS,
+                                                     MS.ROUTER_TTFT_SECONDS))
     router.flush()
     tags = dict(role="router", worker="pdserve-router")
-    assert factory.calls(M.ROUTER_QUEUE_DEPTH, **tags) == [0]
-    assert factory.calls(M.ROUTER_IN_FLIGHT) == [2]
-    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [2]
-    assert factory.calls(M.ROUTER_REQUESTS, outcome="failed") == [1]
-    assert factory.calls(M.ROUTER_PREFILLS, kind="local") == [1]
-    assert factory.calls(M.ROUTER_PREFILLS, kind="remote") == [1]
-    assert factory.calls(M.ROUTER_RETRIES, **tags) == [1]
-    assert factory.calls(M.ROUTER_QUEUE_SECONDS) == [0.01]
-    assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05]
+    assert factory.calls(MS.ROUTER_QUEUE_DEPTH, **tags) == [0]
+    assert factory.calls(MS.ROUTER_IN_FLIGHT) == [2]
+    assert factory.calls(MS.ROUTER_REQUESTS, outcome="completed") == [2]
+    assert factory.calls(MS.ROUTER_REQUESTS, outcome="failed") == [1]
+    assert factory.calls(MS.ROUTER_PREFILLS, kind="local") == [1]
+    assert factory.calls(MS.ROUTER_PREFILLS, kind="remote") == [1]
+    assert factory.calls(MS.ROUTER_RETRIES, **tags) == [1]
+    assert factory.calls(MS.ROUTER_QUEUE_SECONDS) == [0.01]
+    assert factory.calls(MS.ROUTER_TTFT_SECONDS) == [0.05]
     assert factory.calls(M.ROUTER_E2E_SECONDS) == [1.5]
     router.observe_ttft(0.07)
     router.flush()
     router.flush()  # no new event: counters and histograms record nothing twice
-    assert factory.calls(M.ROUTER_TTFT_SECONDS) == [0.05, 0.07]
-    assert factory.calls(M.ROUTER_REQUESTS, outcome="completed") == [2]
+    assert factory.calls(MS.ROUTER_TTFT_SECONDS) == [0.05, 0.07]
+    assert factory.calls(MS.ROUTER_REQUESTS, outcome="completed") == [2]
     # ... but every flush sets every gauge's last value again (Ray drops a gauge not re-set).
-    assert factory.calls(M.ROUTER_QUEUE_DEPTH) == [0, 0, 0]
-    assert factory.calls(M.ROUTER_IN_FLIGHT) == [2, 2, 2]
+    assert factory.calls(MS.ROUTER_QUEUE_DEPTH) == [0, 0, 0]
+    assert factory.calls(MS.ROUTER_IN_FLIGHT) == [2, 2, 2]
 
 
 def test_router_gauges_start_at_zero_and_are_set_at_every_flush():
     factory = FakeFactory()
     router = M.RouterMetrics(factory=factory)
     router.flush()  # before any request: exported as 0
-    assert factory.calls(M.ROUTER_QUEUE_DEPTH, role="router", worker="pdserve-router") == [0]
-    assert factory.calls(M.ROUTER_IN_FLIGHT) == [0]
+    assert factory.calls(MS.ROUTER_QUEUE_DEPTH, role="router", worker="pdserve-router") == [0]
+    assert factory.calls(MS.ROUTER_IN_FLIGHT) == [0]
     router.set_queue_depth(5)
     router.flush()
     router.set_in_flight(3)
     for _ in range(3):
         router.flush()
-    assert factory.calls(M.ROUTER_QUEUE_DEPTH) == [0, 5, 5, 5, 5]
-    assert factory.calls(M.ROUTER_IN_FLIGHT) == [0, 0, 3, 3, 3]
+    assert factory.calls(MS.ROUTER_QUEUE_DEPTH) == [0, 5, 5, 5, 5]
+    assert factory.calls(MS.ROUTER_IN_FLIGHT) == [0, 0, 3, 3, 3]
 
 
 def test_router_counts_kv_paths_by_kind():
@@ -474,16 +475,16 @@ def test_router_counts_kv_paths_by_kind():
     for kind in ("transferred", "transferred", "local_prefill", "prefix_cached", "context_finished",
                  "failed", "transferred"):
         router.count_kv_path(kind)
-    assert factory.calls(M.ROUTER_KV_PATHS) == []  # buffered until flush
+    assert factory.calls(MS.ROUTER_KV_PATHS) == []  # buffered until flush
     router.flush()
     tags = dict(role="router", worker="pdserve-router")
-    assert factory.calls(M.ROUTER_KV_PATHS, kind="transferred", **tags) == [3]
+    assert factory.calls(MS.ROUTER_KV_PATHS, kind="transferred", **tags) == [3]
     for kind in ("local_prefill", "prefix_cached", "context_finished", "failed"):
-        assert factory.calls(M.ROUTER_KV_PATHS, kind=kind) == [1]
-    assert set(M.KV_PATH_KINDS) == {"transferred", "local_prefill", "prefix_cached",
+        assert factory.calls(MS.ROUTER_KV_PATHS, kind=kind) == [1]
+    assert set(MS.KV_PATH_KINDS) == {"transferred", "local_prefill", "prefix_cached",
                                     "context_finished", "failed"}
-    assert M.ROUTER_KV_PATHS.kind == M.COUNTER and M.ROUTER_KV_PATHS.tag_keys == (M.ROLE, M.WORKER, M.KIND)
-    assert M.ROUTER_KV_PATHS.prometheus_name == "ray_pdserve_router_kv_paths_total"
+    assert MS.ROUTER_KV_PATHS.kind == MS.COUNTER and MS.ROUTER_KV_PATHS.tag_keys == (MS.ROLE, MS.WORKER, MS.KIND)
+    assert MS.ROUTER_KV_PATHS.prometheus_name == "ray_pdserve_router_kv_paths_total"
     try:
         router.count_kv_path("teleported")
     except ValueError:
@@ -494,13 +495,13 @@ def test_router_counts_kv_paths_by_kind():
 def test_every_summed_figure_has_an_exact_counter():
     """A Ray histogram's _sum is made of bucket midpoints: each histogram whose total matters
     has a counter that keeps it exactly."""
-    pairs = {M.TOKENS_PER_STEP: M.TOKENS, M.SCHEDULER_STEP_SECONDS: M.SCHEDULER_TIME,
-             M.FORWARD_SECONDS: M.FORWARD_TIME, M.KV_TRANSFER_SECONDS: M.KV_TRANSFER_TIME}
+    pairs = {MS.TOKENS_PER_STEP: MS.TOKENS, MS.SCHEDULER_STEP_SECONDS: MS.SCHEDULER_TIME,
+             MS.FORWARD_SECONDS: MS.FORWARD_TIME, MS.KV_TRANSFER_SECONDS: MS.KV_TRANSFER_TIME}
     for hist, counter in pairs.items():
-        assert hist.kind == M.HISTOGRAM and counter.kind == M.COUNTER
+        assert hist.kind == MS.HISTOGRAM and counter.kind == MS.COUNTER
         assert counter.tag_keys == hist.tag_keys
         assert hist.name in counter.description
-    assert M.SCHEDULER_STEPS.kind == M.COUNTER
+    assert MS.SCHEDULER_STEPS.kind == MS.COUNTER
 
 
 def test_tag_values_must_be_strings():
@@ -512,7 +513,7 @@ def test_tag_values_must_be_strings():
 
 
 def test_state_names_are_every_llm_request_state():
-    from pdserve.cluster import metrics as M
+    from pdserve.cluster import metric_specs as MS
     from pdserve.scheduler import LlmRequestState
 
-    assert set(M._STATE_NAMES) == {s.name for s in LlmRequestState}
+    assert set(MS._STATE_NAMES) == {s.name for s in LlmRequestState}
