@@ -32,6 +32,9 @@ then check the simulator against the live cluster on the same trace slice.
 5. The validated slice is replayed against the cluster (``bench serve``'s client) and simulated
    with the calibrated model; TTFT and TPOT p50 (and more) are printed side by side with the
    relative error, against the tolerance (25% by default).
+
+This module: the validation driver (``add_arguments``, ``run_validation``) and its table. The
+measurements are in ``calibrate_measure.py``, the fits in ``calibrate_fit.py``.
 """
 from __future__ import annotations
 
@@ -39,258 +42,18 @@ import argparse
 import json
 import math
 import os
-import random
-import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from pdserve.bench.cost_model import CostModel, LinkSpec, ModelShape, SeqWork, calibrate
-from pdserve.bench.metrics import Slo, summarize
-from pdserve.bench.simulator import ClusterSpec, Latency, WorkerSpec, simulate
+from pdserve.bench.calibrate_fit import analyse_probes, fit_serving, scaled_cost
+from pdserve.bench.calibrate_measure import CpuGauge, measure_steps, probe_work
+from pdserve.bench.cost_model import CostModel, ModelShape, calibrate
+from pdserve.bench.metrics import summarize
+from pdserve.bench.simulator import simulate
+from pdserve.bench.simulator_spec import ClusterSpec, Latency, WorkerSpec
 from pdserve.bench.workload import WorkItem, mean_rate
-
-
-# ---------------------------------------------------------------------------- step timing
-
-class _ShapeCapture:
-    """Wraps the executor's scheduler and keeps the batch of the latest step (reuse is off in
-    the calibration engine, so positions at scheduling time are the computed ones)."""
-
-    def __init__(self, scheduler) -> None:
-        self.scheduler = scheduler
-        self.last: list[SeqWork] = []
-
-    def schedule(self, active_requests, inflight_request_ids=None):
-        out = self.scheduler.schedule(active_requests, inflight_request_ids)
-        self.last = [SeqWork(r.context_chunk_size, r.context_current_position,
-                             r.context_current_position + r.context_chunk_size >= r.prompt_len)
-                     for r in out.context_requests if r.context_chunk_size > 0]
-        self.last += [SeqWork(1, r.get_num_tokens(0) - 1, True) for r in out.generation_requests]
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self.scheduler, name)
-
-
-def measure_steps(model_dir: str | Path, engine: dict[str, Any], *, repeats: int = 2,
-                  seed: int = 0) -> list[tuple[list[SeqWork], float]]:
-    """Timed steps of the in-process engine over a sweep of batch shapes."""
-    import torch
-
-    from pdserve.workers.engine import LLMEngine
-    from pdserve.workers.sampling import SamplingParams
-
-    torch.set_num_threads(1)  # the worker actors run one torch thread each (LaunchConfig)
-    llm = LLMEngine(model_dir, **{**engine, "enable_block_reuse": False})
-    capture = _ShapeCapture(llm.executor.scheduler)
-    llm.executor.scheduler = capture
-    rng = random.Random(seed)
-    vocab = llm.loaded.config.vocab_size
-    max_prompt = min(512, engine.get("max_num_tokens", 512))
-    samples: list[tuple[list[SeqWork], float]] = []
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    def drain(record: bool = True) -> None:
-        while llm.has_unfinished:
-            t0 = time.perf_counter()
-            llm.step()
-            dt = time.perf_counter() - t0
-            if record and capture.last:
-                samples.append((list(capture.last), dt))
-
-    def add(n: int, out: int) -> None:
-        llm.add_request(prompt(n), SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
-
-    for _ in range(3):  # warm-up
-        add(64, 4)
-    drain(record=False)
-    for _ in range(repeats):
-        for n in (8, 16, 32, 64, 128, 192, 256, 384, max_prompt):
-            add(n, 1)
-            drain()
-        for b in (1, 2, 4, 8, 12, 16):
-            for ctx in (32, 160, 400):
-                for _ in range(b):
-                    add(ctx, 8)
-                drain()
-        # A mixed stream: arrivals while others decode give context + generation batches.
-        for i in range(40):
-            add(rng.randint(8, 300), rng.randint(2, 24))
-            t0 = time.perf_counter()
-            llm.step()
-            dt = time.perf_counter() - t0
-            if capture.last:
-                samples.append((list(capture.last), dt))
-        drain()
-    return samples
-
-
-# ---------------------------------------------------------------------------- cluster probes
-
-PROBE_GAP_S = 0.3  # probes are spaced so each runs alone on the cluster
-
-
-def probe_work(vocab: int, n: int, *, disaggregated: bool, seed: int) -> list[WorkItem]:
-    """Requests sent one at a time: n each of (32-token prompt, 1 token), (64, 4), (64, 20) and
-    (448, 2): short prefills for the hop, two decode lengths for the decode step, a long prefill
-    for the prefill cost (and, disaggregated, a second transfer size)."""
-    rng = random.Random(seed)
-    kinds = [(32, 1), (64, 4), (64, 20), (448, 2)]
-    items = []
-    for i in range(n * len(kinds)):
-        length, out = kinds[i % len(kinds)]
-        items.append(WorkItem(i, i * PROBE_GAP_S, [rng.randrange(3, vocab) for _ in range(length)], out))
-    return items
-
-
-def _rescale_rates(cost: CostModel, factor: float) -> CostModel:
-    """Token-proportional costs (FLOPs, bytes) ``factor`` times as expensive; overheads kept."""
-    hw = cost.hardware
-    return replace(cost, hardware=replace(hw, peak_flops=hw.peak_flops / factor, mem_bw=hw.mem_bw / factor))
-
-
-def analyse_probes(records, cost: CostModel, *, disaggregated: bool, rounds: int = 4) -> dict[str, Any]:
-    """From probe records (same client path as the replay), inside the worker actors: the decode
-    step, the long prefill, the hop and (disaggregated) the link and control overhead. The
-    in-process fit keeps its shape; its token-proportional rates are scaled to the actor's
-    448-token prefill and its step overhead shifted to the actor's decode step (alternately,
-    since each moves the other). Returns the adjusted cost model and latencies."""
-    ok = [r for r in records if r.ok]
-    by_kind: dict[tuple[int, int], list] = {}
-    for r in ok:
-        by_kind.setdefault((r.prompt_len, r.max_tokens), []).append(r)
-    gap = lambda r: (r.finish_s - r.first_token_s)  # noqa: E731
-    # The actor's decode step at batch 1 (~64 tokens of context): slope of e2e - TTFT over tokens.
-    d4 = statistics.median(gap(r) for r in by_kind[(64, 4)])
-    d20 = statistics.median(gap(r) for r in by_kind[(64, 20)])
-    d_meas = (d20 - d4) / (20 - 4)
-    ttft448 = statistics.median(r.ttft_ms / 1000 for r in by_kind[(448, 2)])
-    decode, long_prefill = [SeqWork(1, 70, True)], [SeqWork(448, 0, True)]
-    d_model = cost.step_time(decode)
-    adjusted, hop, rate_factor = cost, 0.0, 1.0
-    for _ in range(rounds):
-        hw = adjusted.hardware
-        adjusted = replace(adjusted, hardware=replace(
-            hw, step_overhead_s=max(0.0, hw.step_overhead_s + d_meas - adjusted.step_time(decode))))
-        # TTFT of a request sent alone = hop + its prefill step + hop; the short prompts give the
-        # hop (their prefill is a small share), the 448-token one the prefill cost.
-        hop = max(0.0, statistics.median(
-            (r.ttft_ms / 1000 - adjusted.step_time([SeqWork(r.prompt_len, 0, True)])) / 2
-            for r in ok if r.prompt_len <= 64))
-        fixed = adjusted.hardware.step_overhead_s + adjusted.hardware.seq_overhead_s
-        var = adjusted.step_time(long_prefill) - fixed
-        want = ttft448 - 2 * hop - fixed
-        if var > 0 and want > 0:
-            k = min(4.0, max(0.25, want / var))
-            rate_factor *= k
-            adjusted = _rescale_rates(adjusted, k)
-    ttft1 = statistics.median(r.ttft_ms / 1000 for r in by_kind[(32, 1)])
-    out: dict[str, Any] = {"probes": len(ok), "decode_step_actor_ms": 1000 * d_meas,
-                           "decode_step_model_ms": 1000 * d_model,
-                           "prefill448_actor_ms": 1000 * (ttft448 - 2 * hop),
-                           "prefill448_model_ms": 1000 * cost.step_time(long_prefill),
-                           "rate_factor": rate_factor,
-                           "step_overhead_added_ms": 1000 * (adjusted.hardware.step_overhead_s
-                                                             - cost.hardware.step_overhead_s),
-                           "ttft_1token_ms": 1000 * ttft1, "hop_ms": 1000 * hop}
-    link, control = LinkSpec(), 0.0
-    transfers = [(r.kv_bytes, r.kv_ms / 1000) for r in ok if r.kv_bytes > 0]
-    if disaggregated and transfers:
-        link = _fit_link(transfers)
-        small = [r.kv_ms / 1000 for r in by_kind[(64, 4)] if r.kv_bytes > 0]
-        xfer = statistics.median(small) if small else 0.0
-        # e2e - TTFT of a 4-token request: hop to the generation worker, control round trip,
-        # transfer, 3 decode steps, hop back.
-        control = max(0.0, d4 - 2 * hop - xfer - 3 * adjusted.step_time(decode))
-        out.update(link_gb_per_s=link.bytes_per_s / 1e9, link_latency_ms=1000 * link.latency_s,
-                   kv_control_ms=1000 * control, transfers=len(transfers))
-    out["cost"] = adjusted
-    out["latency"] = Latency(hop_s=hop, kv_control_s=control)
-    out["link"] = link
-    return out
-
-
-def _fit_link(transfers: Sequence[tuple[int, float]]) -> LinkSpec:
-    """seconds = latency + bytes / bandwidth, least squares over the measured transfers."""
-    xs = [b for b, _ in transfers]
-    ys = [s for _, s in transfers]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    if var <= 0:
-        return LinkSpec(bytes_per_s=mx / my if my > 0 else math.inf, latency_s=0.0)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
-    if slope <= 0:
-        return LinkSpec(bytes_per_s=mx / my if my > 0 else math.inf, latency_s=0.0)
-    return LinkSpec(bytes_per_s=1.0 / slope, latency_s=max(0.0, my - slope * mx))
-
-
-class CpuGauge:
-    """How contended this machine's CPUs are: a thread samples the kernel's count of runnable
-    tasks (``procs_running`` in /proc/stat) every ``interval_s``. With R runnable tasks on C
-    cores a CPU-bound step runs about max(1, R / C) times slower than alone; the ratio of that
-    slowdown's mean over two windows says how much slower steps ran in one than in the other
-    (other jobs on the machine, and the cluster's own processes competing for the cores)."""
-
-    def __init__(self, interval_s: float = 0.05) -> None:
-        import threading
-
-        self.cores = os.cpu_count() or 1
-        self.samples: list[tuple[float, int]] = []  # (wall time, runnable tasks)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
-        self._thread.start()
-
-    def _run(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            try:
-                with open("/proc/stat") as f:
-                    for line in f:
-                        if line.startswith("procs_running"):
-                            # this sampling thread is one of them
-                            self.samples.append((time.time(), max(0, int(line.split()[1]) - 1)))
-                            break
-            except OSError:
-                return
-
-    def slowdown(self, windows: Sequence[tuple[float, float]]) -> float:
-        xs = [max(1.0, (r + 1) / self.cores) for t, r in self.samples if any(a <= t <= b for a, b in windows)]
-        return statistics.fmean(xs) if xs else math.nan
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
-
-
-def scaled_cost(cost: CostModel, factor: float) -> CostModel:
-    """Every step ``factor`` times as long (overheads up, rates down)."""
-    hw = cost.hardware
-    return replace(cost, hardware=replace(
-        hw, step_overhead_s=hw.step_overhead_s * factor, seq_overhead_s=hw.seq_overhead_s * factor,
-        peak_flops=hw.peak_flops / factor, mem_bw=hw.mem_bw / factor))
-
-
-def fit_serving(cost: CostModel, cluster: ClusterSpec, work: Sequence[WorkItem], measured: dict,
-                slo: Slo, rounds: int = 4) -> tuple[CostModel, ClusterSpec, dict[str, float]]:
-    """Under load the workers share this machine's cores with each other, the router, the
-    client and whatever else runs, so a step while serving takes longer than a probe's step
-    alone. On a calibration slice (disjoint from the validated one) fit one factor on every step
-    time (to its measured TPOT p50) and one extra hop delay (to its TTFT p50), alternately."""
-    factor, hop = 1.0, cluster.latency.hop_s
-    for _ in range(rounds):
-        s = simulate(replace(cluster, latency=replace(cluster.latency, hop_s=hop)),
-                     scaled_cost(cost, factor), work).summary(slo)
-        if s["tpot_ms"]["p50"] > 0 and measured["tpot_ms"]["p50"] > 0:
-            factor *= measured["tpot_ms"]["p50"] / s["tpot_ms"]["p50"]
-        s = simulate(replace(cluster, latency=replace(cluster.latency, hop_s=hop)),
-                     scaled_cost(cost, factor), work).summary(slo)
-        hop = max(0.0, hop + (measured["ttft_ms"]["p50"] - s["ttft_ms"]["p50"]) / 2000.0)
-    fitted = replace(cluster, latency=replace(cluster.latency, hop_s=hop))
-    return scaled_cost(cost, factor), fitted, {"step_factor": factor, "hop_ms": 1000 * hop,
-                                                "hop_added_ms": 1000 * (hop - cluster.latency.hop_s)}
 
 
 # ---------------------------------------------------------------------------- the validation
@@ -322,7 +85,9 @@ def run_validation(args) -> int:
     import ray
 
     from pdserve.bench.plots import write_figures
-    from pdserve.bench.serve import LAYOUTS, _fit_work, launch_layout, machine_info, parse_engine, replay, workload_from_args
+    from pdserve.bench.serve import LAYOUTS, _fit_work, launch_layout, parse_engine, workload_from_args
+    from pdserve.bench.serve_replay import replay
+    from pdserve.bench.serve_report import machine_info
     from pdserve.cluster.launch import builtin_model_dir, ensure_ray
 
     spec, slo = workload_from_args(args)

@@ -21,6 +21,10 @@ reservation, chunk advance). This module only adds time:
 
 Nothing here imports torch or Ray; with ``step_jitter=0`` a run is a pure function of its
 inputs, and the seed only drives the jitter.
+
+This module: the event loop (``ClusterSimulator``, ``simulate``). The cluster's configuration
+is in ``simulator_spec.py``, the workers on the clock in ``simulator_workers.py``; the
+``simulate run|search|validate`` drivers in ``sizing.py`` and ``calibrate.py``.
 """
 from __future__ import annotations
 
@@ -30,257 +34,16 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Sequence
 
-from pdserve.bench.cost_model import CostModel, LinkSpec, SeqWork
+from pdserve.bench.cost_model import CostModel
 from pdserve.bench.metrics import RequestRecord, Slo, summarize
+from pdserve.bench.simulator_spec import ClusterSpec
+from pdserve.bench.simulator_workers import Decision, SimWorker, step_shape
 from pdserve.bench.workload import WorkItem
 from pdserve.cluster import policies as P
-from pdserve.scheduler import (
-    CapacityScheduler,
-    CapacitySchedulerPolicy,
-    ContextChunkingConfig,
-    ContextChunkingPolicy,
-    ContextPhaseParams,
-    KVCacheManager,
-    LlmRequest,
-    LlmRequestState,
-    LlmRequestType,
-    MicroBatchScheduler,
-    SimpleScheduler,
-    lifecycle,
-)
-from pdserve.scheduler.sim_worker import SimulatedWorker, StepRecord, default_token_fn
-
-S = LlmRequestState
-
-
-# ---------------------------------------------------------------------------- configuration
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """One worker's engine settings (the names of pdserve's engine keyword arguments)."""
-
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    tokens_per_block: int = 16
-    num_kv_blocks: int = 256
-    capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
-    context_chunking_policy: str | None = "FIRST_COME_FIRST_SERVED"
-    chunk_unit_size: int = 64
-    enable_block_reuse: bool = True
-    enable_prefix_aware_scheduling: bool = True
-    max_input_len: int = 2047
-
-    @classmethod
-    def from_engine(cls, engine: Mapping[str, Any], *, max_seq_len: int, num_kv_blocks: int) -> WorkerSpec:
-        """The spec of a worker built from engine kwargs, with the executor's defaults
-        (``max_seq_len``: the model's, unless the engine sets one)."""
-        base = cls()
-        chunking = engine.get("context_chunking_policy", None)
-        if isinstance(chunking, str) and chunking.upper() in ("", "NONE", "OFF"):
-            chunking = None
-        if chunking is not None and not isinstance(chunking, str):
-            chunking = chunking.name
-        policy = engine.get("capacity_scheduler_policy", base.capacity_scheduler_policy)
-        policy = policy if isinstance(policy, str) else policy.name
-        max_num_tokens = engine.get("max_num_tokens", 2048)
-        max_seq_len = engine.get("max_seq_len") or max_seq_len
-        default_input = max_seq_len - 1 if chunking else min(max_seq_len - 1, max_num_tokens)
-        return cls(
-            max_batch_size=engine.get("max_batch_size", 64),
-            max_num_tokens=max_num_tokens,
-            tokens_per_block=engine.get("tokens_per_block", 16),
-            num_kv_blocks=engine.get("num_kv_blocks") or num_kv_blocks,
-            capacity_scheduler_policy=policy.upper(),
-            context_chunking_policy=chunking.upper() if chunking else None,
-            chunk_unit_size=engine.get("chunk_unit_size", 64),
-            enable_block_reuse=engine.get("enable_block_reuse", True),
-            enable_prefix_aware_scheduling=engine.get("enable_prefix_aware_scheduling", True),
-            max_input_len=engine.get("max_input_len") or default_input,
-        )
-
-    def build(self) -> tuple[SimpleScheduler, KVCacheManager]:
-        kv = KVCacheManager(self.num_kv_blocks, self.tokens_per_block,
-                            enable_block_reuse=self.enable_block_reuse)
-        capacity = CapacityScheduler(
-            self.max_batch_size, CapacitySchedulerPolicy[self.capacity_scheduler_policy],
-            enable_prefix_aware_scheduling=self.enable_prefix_aware_scheduling)
-        chunking = (ContextChunkingConfig(ContextChunkingPolicy[self.context_chunking_policy],
-                                          self.chunk_unit_size)
-                    if self.context_chunking_policy else None)
-        micro = MicroBatchScheduler(chunking, self.max_num_tokens)
-        scheduler = SimpleScheduler(capacity, micro, kv_cache_manager=kv,
-                                    max_batch_size=self.max_batch_size,
-                                    max_num_tokens=self.max_num_tokens)
-        return scheduler, kv
-
-
-@dataclass(frozen=True, slots=True)
-class Latency:
-    hop_s: float = 0.0  # one message between the client (through the router) and a worker
-    kv_control_s: float = 0.0  # a transfer's control round trip (KV request out, completion back)
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSpec:
-    num_context_workers: int = 1
-    num_generation_workers: int = 1
-    context: WorkerSpec = WorkerSpec()
-    generation: WorkerSpec = WorkerSpec()
-    context_policy: str = "round_robin"
-    max_inflight: int | None = None  # default: the generation workers' batch sizes summed
-    link: LinkSpec = LinkSpec()
-    latency: Latency = Latency()
-
-    def __post_init__(self) -> None:
-        if self.num_generation_workers < 1 or self.num_context_workers < 0:
-            raise ValueError("a cluster needs >= 1 generation worker and >= 0 context workers")
-
-    @property
-    def label(self) -> str:
-        if self.num_context_workers == 0:
-            return f"colocated x{self.num_generation_workers}"
-        return f"{self.num_context_workers}P{self.num_generation_workers}D"
-
-    @property
-    def num_workers(self) -> int:
-        return self.num_context_workers + self.num_generation_workers
-
-
-# ---------------------------------------------------------------------------- decisions
-
-class Decision(NamedTuple):
-    """What one scheduler call decided (ids and chunk sizes only)."""
-
-    context: tuple[tuple[int, int], ...]  # (request id, chunk size)
-    generation: tuple[int, ...]
-    paused: tuple[int, ...]
-    gen_init: tuple[int, ...]
-
-
-class DecisionRecorder:
-    """Wraps a SimpleScheduler and logs each call's decision; otherwise transparent."""
-
-    def __init__(self, scheduler: SimpleScheduler) -> None:
-        self.scheduler = scheduler
-        self.log: list[Decision] = []
-
-    def schedule(self, active_requests, inflight_request_ids=None):
-        out = self.scheduler.schedule(active_requests, inflight_request_ids)
-        self.log.append(Decision(
-            tuple((r.request_id, r.context_chunk_size) for r in out.context_requests),
-            tuple(r.request_id for r in out.generation_requests),
-            tuple(r.request_id for r in out.paused_requests),
-            tuple(r.request_id for r in out.fitting_disagg_gen_init_requests),
-        ))
-        return out
-
-    def __getattr__(self, name: str):
-        return getattr(self.scheduler, name)
-
-
-# ---------------------------------------------------------------------------- workers
-
-class SimWorker(SimulatedWorker):
-    """A SimulatedWorker on a clock: transfers complete at event times instead of after a fixed
-    number of steps, and a context-only request's blocks stay leased until its KV has landed."""
-
-    def __init__(self, worker_id: str, role: P.WorkerRole, spec: WorkerSpec, *,
-                 record_decisions: bool = False, token_fn: Callable[[LlmRequest], int] = default_token_fn
-                 ) -> None:
-        scheduler, kv = spec.build()
-        self.recorder = DecisionRecorder(scheduler) if record_decisions else None
-        super().__init__(self.recorder or scheduler, kv, max_input_len=spec.max_input_len,
-                         token_fn=token_fn)
-        self.worker_id = worker_id
-        self.role = role
-        self.spec = spec
-        self.now = 0.0
-        self.busy = False
-        self.busy_s = 0.0
-        self.by_id: dict[int, LlmRequest] = {}
-        self.held: dict[int, LlmRequest] = {}  # context side: prefilled, KV leased until sent
-        self.transfer_done_at: dict[int, float] = {}  # generation side: request id -> landed at
-        self.incoming = 0  # dispatched to this worker, not yet arrived (the router's optimism)
-        self.incoming_tokens = 0
-        self.record_arrivals = record_decisions
-        # Before each step: the requests that arrived since the previous one, as
-        # (request id, prompt, max_new_tokens, type) -- enough to replay them into an executor.
-        self.arrival_log: list[list[tuple[int, list[int], int, LlmRequestType]]] = []
-        self._arrived: list[tuple[int, list[int], int, LlmRequestType]] = []
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.active or self.waiting)
-
-    def deliver(self, request: LlmRequest) -> None:
-        self.by_id[request.request_id] = request
-        self.add_request(request)
-        if self.record_arrivals:
-            self._arrived.append((request.request_id, list(request.get_prompt_tokens()),
-                                  request.max_new_tokens, request.llm_request_type))
-
-    def begin_step(self, now: float) -> StepRecord:
-        self.now = now
-        if self.record_arrivals:
-            self.arrival_log.append(self._arrived)
-            self._arrived = []
-        return self.step()
-
-    def release(self, request_id: int) -> None:
-        """The KV of a context-only request has landed on the generation side."""
-        request = self.held.pop(request_id)
-        lifecycle.finish_request(request, self.kv, S.DISAGG_CONTEXT_COMPLETE)
-        self.stats.finished += 1
-        self.by_id.pop(request_id, None)
-
-    def load(self) -> P.WorkerLoad:
-        pending = [r for r in self.active + self.waiting if r.state == S.CONTEXT_INIT]
-        return P.WorkerLoad(
-            self.worker_id, self.role,
-            active_requests=len(self.active) + len(self.waiting) + self.incoming,
-            queued_prompt_tokens=sum(r.prompt_len - r.context_current_position for r in pending)
-            + self.incoming_tokens,
-            free_kv_blocks=self.kv.get_num_free_blocks(), total_kv_blocks=self.kv.num_blocks,
-            max_batch_size=self.spec.max_batch_size)
-
-    # SimulatedWorker hooks -------------------------------------------------------------------
-
-    def _start_send(self, request: LlmRequest) -> None:
-        self.active.remove(request)
-        self.held[request.request_id] = request
-
-    def _poll_receives(self) -> None:
-        if not self._receiving:
-            return
-        by_id = {r.request_id: r for r in self.active}
-        for rid in list(self._receiving):
-            done = self.transfer_done_at.get(rid)
-            if done is None or done > self.now:
-                continue
-            del self._receiving[rid]
-            del self.transfer_done_at[rid]
-            request = by_id[rid]
-            request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
-            if self.kv.enable_block_reuse:  # as the transceiver does: received blocks are cached
-                self.kv.store_context_blocks(request)
-
-
-def step_shape(worker: SimWorker, record: StepRecord) -> list[SeqWork]:
-    """The batch a step ran, read back from the requests after the step: a context chunk of n
-    tokens ended at the request's current position; a decode attended every token but the one
-    it just appended."""
-    seqs: list[SeqWork] = []
-    for rid, n in record.context:
-        if n <= 0:
-            continue
-        r = worker.by_id[rid]
-        pos = r.context_current_position
-        seqs.append(SeqWork(n, max(0, pos - n), pos >= r.prompt_len))
-    for rid in record.generation:
-        seqs.append(SeqWork(1, worker.by_id[rid].get_num_tokens(0) - 2, True))
-    return seqs
+from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
+from pdserve.scheduler.sim_worker import StepRecord, default_token_fn
 
 
 # ---------------------------------------------------------------------------- the simulation

@@ -27,7 +27,8 @@ from typing import Sequence
 
 from pdserve.bench.cost_model import GPU_PRESETS, MODELS, CostModel, LinkSpec, ModelShape, min_tp
 from pdserve.bench.metrics import Slo
-from pdserve.bench.simulator import ClusterSpec, Latency, SimResult, WorkerSpec, simulate
+from pdserve.bench.simulator import SimResult, simulate
+from pdserve.bench.simulator_spec import ClusterSpec, Latency, WorkerSpec
 from pdserve.bench.workload import WorkItem, WorkloadSpec, build_workload, mean_rate, rescaled, with_poisson_arrivals
 
 TRACE_ALIASES = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv",
@@ -219,7 +220,7 @@ def print_search(results: Sequence[dict]) -> None:
 # ---------------------------------------------------------------------------- command line
 
 def _run(args) -> int:
-    from pdserve.bench.serve import print_table
+    from pdserve.bench.serve_report import print_table
 
     model = MODELS[args.model]
     hw = GPU_PRESETS[args.gpu]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.bench.cost_model import CostModel, HardwareSpec, ModelShape
-from pdserve.bench.simulator import ClusterSimulator, ClusterSpec, DecisionRecorder, WorkerSpec
+from pdserve.bench.simulator import ClusterSimulator
+from pdserve.bench.simulator_spec import ClusterSpec, WorkerSpec
+from pdserve.bench.simulator_workers import DecisionRecorder
 from pdserve.bench.workload import WorkloadSpec, build_workload
 from pdserve.scheduler import LlmRequest
 

@@ -11,7 +11,8 @@ import pytest
 
 from pdserve.bench.cost_model import GPU_PRESETS, MODELS, CostModel, HardwareSpec, LinkSpec, ModelShape, SeqWork
 from pdserve.bench.metrics import RequestRecord, Slo, percentile, summarize
-from pdserve.bench.simulator import ClusterSimulator, ClusterSpec, Latency, WorkerSpec, simulate
+from pdserve.bench.simulator import ClusterSimulator, simulate
+from pdserve.bench.simulator_spec import ClusterSpec, Latency, WorkerSpec
 from pdserve.bench.sizing import at_rate, gpu_worker_spec, gpu_workload, max_rate_under_slo, parse_layout
 from pdserve.traces import MOONCAKE_BLOCK_TOKENS, load_trace
 from pdserve.bench.workload import WorkItem, WorkloadSpec, build_workload, mean_rate, rescaled
