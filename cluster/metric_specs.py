@@ -138,7 +138,7 @@ _STATE_NAMES = (
     "DISAGG_CONTEXT_COMPLETE", "DISAGG_GENERATION_WAIT_TOKENS",
 )
 
-# Final session states of a transfer that delivered its KV (transport.protocol SendState/RecvState).
+# Final session states of a transfer that delivered its KV (transport.sessions SendState/RecvState).
 OK_OUTCOMES = frozenset({"SENT", "COMPLETE"})
 # RouterMetrics.count_kv_path's kinds (RouterTotals.kv_paths in the gRPC API).
 KV_PATH_KINDS = ("transferred", "local_prefill", "prefix_cached", "context_finished", "failed")

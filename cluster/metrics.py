@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from pdserve.scheduler import lifecycle
 
 if TYPE_CHECKING:
-    from pdserve.transport.protocol import TransferLog, TransferRecord
+    from pdserve.transport.sessions import TransferLog, TransferRecord
     from pdserve.workers.executor import Executor, ExecutorStats
 
 from .metric_specs import (

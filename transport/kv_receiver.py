@@ -25,9 +25,11 @@ from .kv_groups import (
     probe_store,
 )
 from .protocol import (
-    CancelTransfer, KVRequest, ProtocolError, ReceiverSessions, TransferDescriptor,
-    TransferDone, TransferResult, WireHeader, WireStatus, decode_message, group_name, wire_tag,
+    CancelTransfer, KVRequest, ProtocolError, TransferDescriptor, TransferDone, WireHeader,
+    WireStatus, decode_message, group_name, wire_tag,
 )
+from .session_sides import ReceiverSessions
+from .sessions import TransferResult
 
 MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
 

@@ -20,10 +20,12 @@ from .kv_groups import (
     TransportConfig, as_timedelta, failure_reason, header_tensor, layout_of,
 )
 from .protocol import (
-    CancelTransfer, KVRequest, ProtocolError, SenderSessions, TransferDescriptor, TransferDone,
-    TransferRejected, TransferResult, WireHeader, WireStatus, choose_chunking,
-    consecutive_fraction, decode_message, encode_message, group_order, wire_tag,
+    CancelTransfer, KVRequest, ProtocolError, TransferDescriptor, TransferDone, TransferRejected,
+    WireHeader, WireStatus, choose_chunking, consecutive_fraction, decode_message,
+    encode_message, group_order, wire_tag,
 )
+from .session_sides import SenderSessions
+from .sessions import TransferResult
 
 SendHook = Callable[[TransferDescriptor, int], None]  # (descriptor, chunk index), sender thread
 RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy-free runs)

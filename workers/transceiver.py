@@ -22,7 +22,8 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, lifecycle
-from pdserve.transport.protocol import TransferLog, encode_message
+from pdserve.transport.protocol import encode_message
+from pdserve.transport.sessions import TransferLog
 
 from .events import WorkerEvents, label, transfer_task_name
 

@@ -54,7 +54,7 @@ def ray_metrics_port():
 def _record_metrics(worker_id: str, router_id: str):
     """Records one set of events; returns the (worker, gauges, router) that keep the gauges."""
     from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
-    from pdserve.transport.protocol import TransferLog, TransferRecord
+    from pdserve.transport.sessions import TransferLog, TransferRecord
     from pdserve.workers.executor import ExecutorStats
 
     worker = WorkerMetrics("context", worker_id)

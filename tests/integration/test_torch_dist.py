@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_peer  # noqa: E402
 
-from pdserve.transport.protocol import RecvState, SendState  # noqa: E402
+from pdserve.transport.sessions import RecvState, SendState  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -9,7 +9,7 @@ import pytest
 from pdserve import LLM
 from pdserve import SamplingParams as ApiSamplingParams
 from pdserve.scheduler import LlmRequest
-from pdserve.transport.protocol import RecvState
+from pdserve.transport.sessions import RecvState
 from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, WireSampling
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pdserve.cluster import metric_specs as MS
 from pdserve.cluster import metrics as M
 from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
-from pdserve.transport.protocol import TransferLog, TransferRecord
+from pdserve.transport.sessions import TransferLog, TransferRecord
 from pdserve.workers.executor import ExecutorStats
 
 S = LlmRequestState

@@ -1,5 +1,6 @@
-"""The decision logic stays pure: scheduler/, transport/protocol.py and cluster/policies.py
-import no torch, ray or grpc (DESIGN.md), so they are testable in milliseconds."""
+"""The decision logic stays pure: scheduler/, the pure transport modules (protocol, sessions,
+requests) and cluster/policies.py and validation.py import no torch, ray or grpc (DESIGN.md), so
+they are testable in milliseconds."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"torch", "ray", "grpc", "numpy"}
-PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py", ROOT / "transport" / "requests",
+PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
+              ROOT / "transport" / "sessions.py", ROOT / "transport" / "session_sides.py",
+              ROOT / "transport" / "requests",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
               ROOT / "cluster" / "openai_api.py", ROOT / "cluster" / "text_stream.py",
               ROOT / "proto" / "stubs.py"]

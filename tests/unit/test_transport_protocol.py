@@ -1,5 +1,6 @@
-"""transport/protocol.py: messages, wire header, chunking, and both session state machines
-(every transition, leases, deadlines, quarantine) under a fake clock."""
+"""transport/protocol.py (messages, wire header, chunking) and both session state machines of
+transport/sessions.py and session_sides.py (every transition, leases, deadlines, quarantine)
+under a fake clock."""
 from __future__ import annotations
 
 import math
@@ -13,11 +14,12 @@ from hypothesis import strategies as st
 
 from pdserve.transport.protocol import (
     HEADER_LEN, PROTOCOL_VERSION, CancelTransfer, KVLayout, KVRequest, ProtocolError,
-    ReceiverSessions, RecvState, SenderSessions, SendState, TransferDescriptor, TransferDone,
-    TransferRejected, TransitionError, WireHeader, WireStatus, choose_chunking,
+    TransferDescriptor, TransferDone, TransferRejected, WireHeader, WireStatus, choose_chunking,
     consecutive_fraction, decode_message, encode_message, group_name, group_order, plan_chunks,
     wire_tag,
 )
+from pdserve.transport.session_sides import ReceiverSessions, SenderSessions
+from pdserve.transport.sessions import RecvState, SendState, TransitionError
 
 LAYOUT = KVLayout("bfloat16", 4096, (2, 16, 2, 32))
 
