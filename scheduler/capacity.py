@@ -124,8 +124,9 @@ def _reuse_walk_allowed(manager: Any) -> bool:
     return manager is not None and manager.enable_block_reuse and not manager.is_variable_window
 
 
-# The KVCacheManager methods whose work the plain paths do in place.
-_INLINED = frozenset(
+# The KVCacheManager methods the plain paths bypass: they call the manager's SchedulingView
+# (the same formulas) and compare the scheduling free count themselves.
+_BYPASSED = frozenset(
     {
         "get_remaining_blocks_to_completion",
         "get_needed_blocks_one_step",
@@ -136,17 +137,17 @@ _INLINED = frozenset(
 
 
 def _is_plain_kv(kv: Any, cross_kv: Any) -> bool:
-    """May the policies take their plain paths, which evaluate the block formulas of
-    ``KVCacheManager`` (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``,
-    with their side effect on ``estimated_reusable_tokens``) in place instead of calling through
-    the blocks managers? Only for exactly that class (a subclass may override the formulas, a
-    double must see its calls), with none of those methods replaced on the instance, and without
-    a cross pool."""
+    """May the policies take their plain paths, which compute the block needs through
+    ``kv.scheduling_view()`` (the formulas of ``get_remaining_blocks_to_completion`` and
+    ``get_needed_blocks_one_step``, with their side effect on ``estimated_reusable_tokens``)
+    instead of through the blocks managers? Only for exactly ``KVCacheManager`` (a subclass may
+    override the formulas, a double must see its calls), with none of the bypassed methods
+    replaced on the instance, and without a cross pool."""
     return (
         type(kv) is KVCacheManager
         and cross_kv is None
         and not kv.is_cross
-        and _INLINED.isdisjoint(kv.__dict__)
+        and _BYPASSED.isdisjoint(vars(kv))
     )
 
 
@@ -248,10 +249,12 @@ class CapacityScheduler:
         )
 
     def _contexts_already_executing(
-        self, requests: Sequence[LlmRequest], kv: Any, cross_kv: Any
+        self, requests: Sequence[LlmRequest], kv: Any, cross_kv: Any, view: Any = None
     ) -> tuple[set[Any], set[Any]]:
         """First new blocks of context requests past their first chunk: they will store those
-        blocks, so a new request whose first uncached block is among them should wait."""
+        blocks, so a new request whose first uncached block is among them should wait. ``view``:
+        the plain paths' ``kv.scheduling_view()``, whose summary is analyze_prefix_reuse's with
+        its cache hit tested in place."""
         contributed: set[Any] = set()
         cross_contributed: set[Any] = set()
         walk_self = _reuse_walk_allowed(kv)
@@ -259,7 +262,6 @@ class CapacityScheduler:
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
         kinds = self._kinds
-        plain = walk_self and _is_plain_kv(kv, None)
         # Context requests not on their first chunk (is_first_context_chunk, without the property).
         executing = [
             req
@@ -270,8 +272,8 @@ class CapacityScheduler:
         for req in executing:
             if walk_self:
                 summary = (
-                    kv._prefix_summary(req)
-                    if plain
+                    view.prefix_summary(req)
+                    if view is not None
                     else kv.analyze_prefix_reuse(req.get_tokens(0), req)
                 )
                 block = summary.first_new_block
@@ -502,24 +504,18 @@ class CapacityScheduler:
     # ---- plain KVCacheManager fast paths -----------------------------------------------------
     # The two methods below make the same decisions, with the same side effects, as
     # _schedule_no_evict and _schedule_max_utilization for a KVCacheManager (exactly that class)
-    # without a cross pool: the block formulas of kv_cache.py are evaluated in place instead of
-    # through the blocks managers, request fields are read without their properties, and the
-    # budgets are local ints. tests/unit/test_capacity_plain_path.py compares both paths.
+    # without a cross pool. They read the manager only through its public fast view
+    # (SchedulingView: the block formulas and the prefix summary, bound once per pass) and its
+    # public counters, and keep the budgets in local ints instead of blocks managers.
+    # tests/unit/test_capacity_plain_path.py compares both paths.
 
     def _schedule_no_evict_plain(
         self, requests: Sequence[LlmRequest], kv: KVCacheManager, peft: Any, *, static: bool
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
+        view = kv.scheduling_view()
+        to_completion = view.blocks_to_completion
         available = kv.get_num_free_blocks()
-        b = kv.tokens_per_block
-        s = kv.sink_bubble_length
-        # Remaining blocks to completion (reference 2.4) for beam width 1 without a window: both
-        # branches of the formula reduce to ceil((P + N + S) / B) - reusable_ctx - allocated.
-        # Other requests ask the manager.
-        no_window = kv.max_attention_window is None
-        reuse_on = kv.enable_block_reuse and not kv.is_variable_window
-        seqs_get = kv._seqs.get
-        remaining = kv.get_remaining_blocks_to_completion
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         pending_gen_init: list[LlmRequest] = []
@@ -528,6 +524,8 @@ class CapacityScheduler:
         claimed_peft = 0
         admitted = 0
 
+        # Pass 1: running and transfer-in-progress requests, reserved unconditionally.
+        admit, defer, defer_gen_init = fitting.append, pending.append, pending_gen_init.append
         for req in requests:
             kind = kinds[req.state]
             if kind == _SKIP:
@@ -537,38 +535,30 @@ class CapacityScheduler:
             if kind == _RUNNING or kind == _TRANSFER:
                 admitted += 1
                 if kind == _RUNNING:
-                    fitting.append(req)
-                if no_window and req.beam_width == 1:
-                    req.estimated_reusable_tokens = 0  # the formula's side effect
-                    seq = seqs_get(req.request_id)
-                    # available -= ceil((P + N + S) / B) - allocated
-                    available += (-(req._prompt_len + req.max_new_tokens + s)) // b
-                    if seq is not None:
-                        available += len(seq.beams[0])
-                else:
-                    available -= remaining(req)
+                    admit(req)
+                available -= to_completion(req)
                 task = req.lora_task_id
                 if task is not None and task not in seen_tasks:
                     seen_tasks.add(task)
                     if peft is not None:
                         claimed_peft += peft.determine_num_pages(req)
             elif kind == _GEN_INIT:
-                pending_gen_init.append(req)
+                defer_gen_init(req)
             else:
-                pending.append(req)
+                defer(req)
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
 
+        # Pass 2: gen-init first, then the rest, each list its own break scope.
         available_peft = (peft.max_device_pages if peft is not None else _INT_MAX) - claimed_peft
         prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and reuse_on
+        walk_self = prefix_aware and _reuse_walk_allowed(kv)
         skipping = not static and self._skipping_is_relevant(kv, None)
-        contributed = self._contexts_already_executing(requests, kv, None)[0] if skipping else set()
-        prefix_summary = kv._prefix_summary
-        tree = kv._tree
-        tree_version = tree.version  # scheduling never changes the tree
-        key_ns = kv._key_ns
+        contributed = (
+            self._contexts_already_executing(requests, kv, None, view)[0] if skipping else set()
+        )
+        prefix_summary = view.prefix_summary
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 kind = kinds[req.state]
@@ -580,21 +570,7 @@ class CapacityScheduler:
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY
                     elif walk_self:
-                        # kv._prefix_summary(req) with its cache hit tested in place.
-                        tokens = req._beams[0].tokens
-                        cache = req.block_key_cache
-                        entry = cache.get(key_ns) if cache is not None else None
-                        if (
-                            entry is not None
-                            and entry.version == tree_version
-                            and entry.tree is tree
-                            and entry.count == (len(tokens) - 1) // b
-                            and entry.lora == req.lora_task_id
-                            and tokens
-                        ):
-                            summary = entry.summary
-                        else:
-                            summary = prefix_summary(req)
+                        summary = prefix_summary(req)
                     if summary is not None:
                         block = summary.first_new_block
                         if skipping and block is not None and block in contributed:
@@ -605,22 +581,7 @@ class CapacityScheduler:
                 new_task = task is not None and task not in seen_tasks
                 needed_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
                 if kind == _CONTEXT or kind == _GEN_INIT:
-                    if no_window and req.beam_width == 1:
-                        p = req._prompt_len
-                        seq = seqs_get(req.request_id)
-                        alloc = 0 if seq is None else len(seq.beams[0])
-                        need = -((-(p + req.max_new_tokens + s)) // b) - alloc
-                        estimated = 0
-                        if first_chunk and reuse_on and alloc == 0:
-                            credit = summary if summary is not None else kv._summary_for(req)
-                            ctx_blocks = (p + s) // b  # full prompt blocks only
-                            held = credit.reusable_blocks_allocated
-                            need -= held if held < ctx_blocks else ctx_blocks
-                            matched = credit.reusable_blocks_all
-                            estimated = (matched if matched < ctx_blocks else ctx_blocks) * b
-                        req.estimated_reusable_tokens = estimated
-                    else:
-                        need = remaining(req, summary)
+                    need = to_completion(req, summary)
                     if need > available:
                         break
                     if needed_peft > available_peft:
@@ -647,28 +608,23 @@ class CapacityScheduler:
         if self.no_schedule_until_state == _S.ENCODER_INIT:
             raise ValueError("MAX_UTILIZATION from ENCODER_INIT needs a cross KV cache manager")
         kv.start_scheduling()
-        b = kv.tokens_per_block
-        s = kv.sink_bubble_length
-        window = kv.max_attention_window
-        max_token_num = kv.max_token_num
-        reuse_credit = kv.enable_block_reuse and not kv.is_variable_window
-        seqs_get = kv._seqs.get
-        steps = 2 if self.two_steps_look_ahead else 1
-        max_peft = peft.max_device_pages if peft is not None else _INT_MAX
+        view = kv.scheduling_view()
+        generation_step, prompt_step = view.generation_step_blocks, view.prompt_step_blocks
+        two_steps = self.two_steps_look_ahead
+        free = kv.get_scheduling_num_free_blocks()  # only a pause moves it during the pass
+        available_peft = peft.max_device_pages if peft is not None else _INT_MAX
         prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and reuse_credit
+        walk_self = prefix_aware and _reuse_walk_allowed(kv)
         skipping = self._skipping_is_relevant(kv, None)
-        contributed = self._contexts_already_executing(requests, kv, None)[0] if skipping else set()
-        prefix_summary = kv._prefix_summary
-        tree = kv._tree
-        tree_version = tree.version  # scheduling never changes the tree
-        key_ns = kv._key_ns
+        contributed = (
+            self._contexts_already_executing(requests, kv, None, view)[0] if skipping else set()
+        )
+        prefix_summary = view.prefix_summary
 
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         paused: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
-        scheduled_peft = 0
         scheduled_blocks = 0
         admitted = 0
         end = len(requests)
@@ -677,44 +633,18 @@ class CapacityScheduler:
                 break
             req = requests[i]
             kind = kinds[req.state]
-            if (
-                kind == _RUNNING
-                and admitted < cap
-                and scheduled_peft <= max_peft
-                and req.lora_task_id is None
-            ):
-                # The common case in one go: a generating request without LoRA. Its one-step need
-                # (the same formula as in the general path below, with the same side effect):
-                seq = seqs_get(req.request_id)
-                cur = seq.num_tokens if seq is not None else len(req._beams[0].tokens)
-                drafts = req.draft_tokens
-                add = steps * ((len(drafts) if drafts else 0) + 1)
-                add_max = req.max_new_tokens - (cur - req._prompt_len)
-                if add_max < add:
-                    add = add_max
-                nxt = cur + add
-                if max_token_num is None or nxt <= max_token_num:
-                    total = scheduled_blocks + ((-cur) // b - (-nxt) // b) * req.beam_width
-                else:
-                    total = scheduled_blocks
-                req.estimated_reusable_tokens = 0
-                if kv._sched_free >= total:
-                    fitting.append(req)
-                    scheduled_blocks = total
-                    admitted += 1
-                    continue
-                # It does not fit: the general path evaluates the need again and pauses.
             if kind == _SKIP:
                 continue
             task = req.lora_task_id
             new_task = task is not None and task not in seen_tasks
             if kind == _TRANSFER:
+                # A slot and LoRA pages; its KV is already outside the scheduling free count.
                 if admitted >= cap:
                     break
                 if new_task:
                     seen_tasks.add(task)
                     if peft is not None:
-                        scheduled_peft += peft.determine_num_pages(req)
+                        available_peft -= peft.determine_num_pages(req)
                 admitted += 1
                 continue
             first_chunk = (
@@ -725,21 +655,7 @@ class CapacityScheduler:
                 if not prefix_aware:
                     summary = _ZERO_SUMMARY
                 elif walk_self:
-                    # kv._prefix_summary(req) with its cache hit tested in place.
-                    tokens = req._beams[0].tokens
-                    cache = req.block_key_cache
-                    entry = cache.get(key_ns) if cache is not None else None
-                    if (
-                        entry is not None
-                        and entry.version == tree_version
-                        and entry.tree is tree
-                        and entry.count == (len(tokens) - 1) // b
-                        and entry.lora == req.lora_task_id
-                        and tokens
-                    ):
-                        summary = entry.summary
-                    else:
-                        summary = prefix_summary(req)
+                    summary = prefix_summary(req)
                 if summary is not None:
                     block = summary.first_new_block
                     if skipping and block is not None and block in contributed:
@@ -749,60 +665,34 @@ class CapacityScheduler:
             # Neither the slot and page test nor the request's one-step need changes when a
             # pause is retried (a pause moves only the scheduling free count), so both are
             # evaluated once, with the formula's side effect on estimated_reusable_tokens.
-            room = admitted < cap and scheduled_peft + required_peft <= max_peft
+            room = admitted < cap and required_peft <= available_peft
             total = scheduled_blocks
-            if room and kind != _ENCODER:  # encoder-init: no KV in either pool
+            if room:
                 if kind == _RUNNING:
-                    seq = seqs_get(req.request_id)
-                    # Without a sequence the request's own count stands in.
-                    cur = seq.num_tokens if seq is not None else len(req._beams[0].tokens)
-                    drafts = req.draft_tokens
-                    add = steps * ((len(drafts) if drafts else 0) + 1)
-                    add_max = req.max_new_tokens - (cur - req._prompt_len)
-                    if add_max < add:
-                        add = add_max
-                    nxt = cur + add
-                    if max_token_num is None or nxt <= max_token_num:
-                        # (ceil(nxt / B) - ceil(cur / B)) * beam
-                        total += ((-cur) // b - (-nxt) // b) * req.beam_width
-                    req.estimated_reusable_tokens = 0
+                    total += generation_step(req, two_steps)
                 elif first_chunk or kind == _GEN_INIT:
-                    drafts = req.draft_tokens
-                    length = req._prompt_len + (len(drafts) if drafts else 0)
-                    if window is not None:
-                        # TensorRT-LLM names max_new_tokens "chunkSize" here.
-                        length = min(length, window + req.max_new_tokens)
-                    length += s
-                    shared = length // b
-                    total += shared + (req.beam_width if length % b else 0)
-                    estimated = 0
-                    if reuse_credit and kind != _GEN_INIT:
-                        credit = summary if summary is not None else kv._summary_for(req)
-                        held = credit.reusable_blocks_allocated
-                        total -= held if held < shared else shared
-                        matched = credit.reusable_blocks_all
-                        estimated = (matched if matched < shared else shared) * b
-                    req.estimated_reusable_tokens = estimated
-                else:
-                    req.estimated_reusable_tokens = 0  # later chunks: prompt blocks are held
-            fits = room and (kind == _ENCODER or kv._sched_free >= total)
+                    total += prompt_step(req, summary)
+                elif kind != _ENCODER:  # encoder-init: no KV in either pool
+                    req.estimated_reusable_tokens = 0  # later chunks: their blocks are held
+            fits = room and (kind == _ENCODER or free >= total)
             while not fits:
                 victim = self._last_started(requests, i, end)
                 if victim < 0:
                     return CapacityOutput(fitting, gen_init, paused)  # head-of-line blocking
                 paused_req = requests[victim]
                 kv.scheduling_remove_sequence(paused_req.request_id)
+                free = kv.get_scheduling_num_free_blocks()
                 paused.append(paused_req)
                 end = victim  # it and everything after it are out of this round
                 if victim == i:
                     break  # the request paused itself: the round ends
-                fits = room and (kind == _ENCODER or kv._sched_free >= total)
+                fits = room and (kind == _ENCODER or free >= total)
             if not fits:
                 break
             (gen_init if kind == _GEN_INIT else fitting).append(req)
             scheduled_blocks = total
             admitted += 1
-            scheduled_peft += required_peft
+            available_peft -= required_peft
             if new_task:
                 seen_tasks.add(task)
             if skipping and block is not None:

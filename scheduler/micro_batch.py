@@ -181,7 +181,7 @@ class MicroBatchScheduler:
                 # Request fields read directly (context_remaining_length, is_first_context_chunk,
                 # num_draft_tokens): this loop runs for every fitting request on every step.
                 position = req.context_current_position
-                remaining = req._prompt_len - position
+                remaining = req.prompt_len - position
                 if position == req.prepopulated_prompt_len:
                     reusable = req.estimated_reusable_tokens
                     if reusable > remaining:

@@ -5,7 +5,7 @@ Reference: trtllm-scheduling.md sections 1 and 4. Pure Python, stdlib only.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -81,22 +81,23 @@ class ContextPhaseParams:
     num_blocks: int = 0
 
 
-@dataclass(slots=True)
-class _Beam:
-    tokens: list[int] = field(default_factory=list)
-
-
 class LlmRequest:
     """One request as the schedulers and the executor see it.
 
     Invariants: ``prompt_len <= get_num_tokens(b)`` for every beam; ``context_current_position``
     lies in [0, prompt_len]; ``context_chunk_size`` never exceeds the remaining context.
+
+    ``prompt_len`` and ``tokens`` are plain attributes, not properties, because the schedulers'
+    hot loops read them for every request on every step. ``tokens`` is beam 0's token list (the
+    prompt, then what was generated), the list ``get_tokens(0)`` returns: never rebound, changed
+    only by ``add_new_token(s)`` and ``pause()``; only ``pause()`` changes ``prompt_len``.
     """
 
     __slots__ = (
         "request_id",
         "_beams",
-        "_prompt_len",
+        "tokens",
+        "prompt_len",
         "orig_prompt_len",
         "max_new_tokens",
         "orig_max_new_tokens",
@@ -146,9 +147,10 @@ class LlmRequest:
         if len(input_tokens) == 0:
             raise ValueError("input_tokens must not be empty")
         self.request_id = request_id
-        self._beams = [_Beam(list(input_tokens)) for _ in range(beam_width)]
-        self._prompt_len = len(input_tokens)
-        self.orig_prompt_len = self._prompt_len
+        self._beams = [list(input_tokens) for _ in range(beam_width)]  # tokens per beam
+        self.tokens = self._beams[0]
+        self.prompt_len = len(input_tokens)
+        self.orig_prompt_len = self.prompt_len
         self.max_new_tokens = max_new_tokens
         self.orig_max_new_tokens = max_new_tokens
         self.lora_task_id = lora_task_id
@@ -168,7 +170,7 @@ class LlmRequest:
         else:
             self.state = S.CONTEXT_INIT
         self.context_current_position = 0
-        self._context_chunk_size = self._prompt_len
+        self._context_chunk_size = self.prompt_len
         self.prepopulated_prompt_len = 0
         self.estimated_reusable_tokens = 0
         self.seq_slot: int | None = None
@@ -186,41 +188,37 @@ class LlmRequest:
 
     def __repr__(self) -> str:
         return (
-            f"LlmRequest(id={self.request_id}, state={self.state.name}, P={self._prompt_len}, "
+            f"LlmRequest(id={self.request_id}, state={self.state.name}, P={self.prompt_len}, "
             f"N={self.max_new_tokens}, pos={self.context_current_position}, "
             f"chunk={self._context_chunk_size}, tokens={self.get_num_tokens(0)})"
         )
 
     # ---- lengths and tokens -------------------------------------------------------------------
     @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    @property
     def encoder_output_len(self) -> int:
         return len(self.encoder_tokens) if self.encoder_tokens else 0
 
     def get_num_tokens(self, beam: int = 0) -> int:
-        return len(self._beams[beam].tokens)
+        return len(self._beams[beam])
 
     def get_tokens(self, beam: int = 0) -> list[int]:
-        return self._beams[beam].tokens
+        return self._beams[beam]
 
     def get_prompt_tokens(self) -> list[int]:
-        return self._beams[0].tokens[: self._prompt_len]
+        return self.tokens[: self.prompt_len]
 
     def add_new_token(self, token: int, beam: int = 0) -> None:
-        self._beams[beam].tokens.append(int(token))
+        self._beams[beam].append(int(token))
 
     def add_new_tokens(self, tokens: Sequence[int]) -> None:
         """One token per beam."""
         if len(tokens) != self.beam_width:
             raise ValueError(f"expected {self.beam_width} tokens (one per beam), got {len(tokens)}")
         for beam, token in enumerate(tokens):
-            self._beams[beam].tokens.append(int(token))
+            self._beams[beam].append(int(token))
 
     def get_max_num_generated_tokens(self) -> int:
-        return max(len(b.tokens) for b in self._beams) - self._prompt_len
+        return max(len(tokens) for tokens in self._beams) - self.prompt_len
 
     def get_beam_width_by_iter(self) -> int:
         return self.beam_width
@@ -248,7 +246,7 @@ class LlmRequest:
     # ---- chunked context ---------------------------------------------------------------------
     @property
     def context_remaining_length(self) -> int:
-        return self._prompt_len - self.context_current_position
+        return self.prompt_len - self.context_current_position
 
     @property
     def context_chunk_size(self) -> int:
@@ -274,7 +272,7 @@ class LlmRequest:
     def is_last_context_chunk(self) -> bool:
         if self.state in (S.DISAGG_GENERATION_INIT, S.DISAGG_GENERATION_TRANS_COMPLETE):
             return True
-        return self.context_current_position + self._context_chunk_size == self._prompt_len
+        return self.context_current_position + self._context_chunk_size == self.prompt_len
 
     @property
     def is_full_context_request(self) -> bool:
@@ -294,15 +292,15 @@ class LlmRequest:
         """Skip a cached prefix: the position jumps past it and, for a non-last chunk, the chunk
         shrinks so that it still ends on a block boundary (the chunk is shifted, not shrunk by the
         credit; reference 3.5)."""
-        if not 0 <= prepopulated < self._prompt_len:
+        if not 0 <= prepopulated < self.prompt_len:
             raise ValueError(
-                f"prepopulated length {prepopulated} must lie in [0, {self._prompt_len})"
+                f"prepopulated length {prepopulated} must lie in [0, {self.prompt_len})"
             )
         self.prepopulated_prompt_len = prepopulated
         if prepopulated == 0:
             return
         chunk = self._context_chunk_size
-        if prepopulated + chunk < self._prompt_len:
+        if prepopulated + chunk < self.prompt_len:
             floored_end = (prepopulated + chunk) // tokens_per_block * tokens_per_block
             chunk = max(0, floored_end - prepopulated)
         self.context_current_position = prepopulated
@@ -393,7 +391,7 @@ class LlmRequest:
                 f"context phase params carry {len(first)} first tokens for beam width {self.beam_width}"
             )
         self.state = S.GENERATION_IN_PROGRESS
-        self.context_current_position = self._prompt_len
+        self.context_current_position = self.prompt_len
         self._context_chunk_size = 0
         self.decoding_iter = 1
         self.add_new_tokens(first)
@@ -408,20 +406,20 @@ class LlmRequest:
         dropped and will be generated again), and ``max_new_tokens`` shrinks by what was absorbed.
         Beam > 1: every beam restarts from the prompt."""
         if self.beam_width > 1:
-            for beam in self._beams:
-                del beam.tokens[self._prompt_len :]
+            for tokens in self._beams:
+                del tokens[self.prompt_len :]
         else:
-            new_prompt_len = min(max_input_len, self._prompt_len + self.get_max_num_generated_tokens())
+            new_prompt_len = min(max_input_len, self.prompt_len + self.get_max_num_generated_tokens())
             # Admission rejects prompts over max_input_len, so this clamp only guards misuse: a
             # pause never shrinks the prompt.
-            new_prompt_len = max(new_prompt_len, self._prompt_len)
-            del self._beams[0].tokens[new_prompt_len:]
-            self.max_new_tokens -= new_prompt_len - self._prompt_len
-            self._prompt_len = new_prompt_len
+            new_prompt_len = max(new_prompt_len, self.prompt_len)
+            del self.tokens[new_prompt_len:]
+            self.max_new_tokens -= new_prompt_len - self.prompt_len
+            self.prompt_len = new_prompt_len
         self.state = S.ENCODER_INIT if self.encoder_tokens else S.CONTEXT_INIT
         self.context_current_position = 0
         self.prepopulated_prompt_len = 0
-        self._context_chunk_size = self._prompt_len
+        self._context_chunk_size = self.prompt_len
         self.estimated_reusable_tokens = 0
         self.seq_slot = None
         self.decoding_iter = 0
