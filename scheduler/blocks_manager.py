@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .kv_cache import PrefixReuseSummary
+from .kv_prefix_reuse import PrefixReuseSummary
 from .request import LlmRequest
 
 

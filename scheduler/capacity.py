@@ -6,19 +6,27 @@ Reference: trtllm-scheduling.md section 2 (newest capacityScheduler.cpp). Polici
 * GUARANTEED_NO_EVICT / STATIC_BATCH: reserve blocks to completion; never pause.
 * MAX_UTILIZATION: reserve blocks for the next step; pause started requests from the back.
 
+This module holds the dispatch, MaxRequests and the generic path of each policy. The plain fast
+paths for an exact ``KVCacheManager`` are in capacity_plain.py (``PlainKVPathsMixin``, inherited);
+``CapacityOutput``, the state kinds and the prefix-aware skipping helpers in capacity_common.py.
+
 Pure Python, stdlib only. The KV, PEFT and cross-KV managers are read only through the names
 listed in DESIGN.md, so test doubles with those names can stand in.
 """
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from .blocks_manager import MaxUtilizationScheduledBlocksManager, NoEvictScheduledBlocksManager
-from .kv_cache import KVCacheManager, PrefixReuseSummary
+from .capacity_common import (
+    _CONTEXT, _ENCODER, _GEN_INIT, _INT_MAX, _RUNNING, _S, _SKIP, _TRANSFER, _ZERO_SUMMARY,
+    CapacityOutput, _beneficial_to_skip, _register_contribution, _reuse_walk_allowed, _state_kinds,
+)
+from .capacity_plain import PlainKVPathsMixin, _is_plain_kv
 from .request import LlmRequest, LlmRequestState
 
-__all__ = ["CapacityOutput", "CapacityScheduler", "CapacitySchedulerPolicy", "ReorderPolicy"]
+__all__ = ["CapacityScheduler", "CapacitySchedulerPolicy", "ReorderPolicy"]
 
 
 class CapacitySchedulerPolicy(enum.IntEnum):
@@ -29,129 +37,11 @@ class CapacitySchedulerPolicy(enum.IntEnum):
     STATIC_BATCH = 2
 
 
-class CapacityOutput(NamedTuple):
-    fitting: list[LlmRequest]
-    fitting_disagg_gen_init: list[LlmRequest]
-    paused: list[LlmRequest]
-
-
 class ReorderPolicy(Protocol):
     def reorder(self, requests: list[LlmRequest]) -> list[LlmRequest]: ...
 
 
-# What a state means to the capacity scheduler, precomputed per band so that the hot loops do
-# one dict lookup per request instead of a chain of state comparisons.
-_SKIP = 0  # outside the band (or DISAGG_CONTEXT_WAIT_SCHEDULER inside an encoder band)
-_RUNNING = 1  # generation-in-progress, in the band
-_TRANSFER = 2  # DISAGG_GENERATION_TRANS_IN_PROGRESS: counted, never returned (band exempt)
-_GEN_INIT = 3  # DISAGG_GENERATION_INIT: KV reserved so its transfer can start (band exempt)
-_CONTEXT = 4  # context-init, in the band
-_ENCODER = 5  # encoder-init, in the band: a slot and LoRA pages, no KV
-_OTHER = 6  # any other state in the band: considered, never reserved for
-
-_S = LlmRequestState
-_GENERATION_IN_PROGRESS = (
-    _S.DISAGG_GENERATION_TRANS_COMPLETE,
-    _S.GENERATION_IN_PROGRESS,
-    _S.GENERATION_TO_COMPLETE,
-)
-_CONTEXT_INIT = (_S.CONTEXT_INIT, _S.DISAGG_CONTEXT_INIT_AND_TRANS)
-
-
-def _state_kinds(until: LlmRequestState, after: LlmRequestState) -> dict[LlmRequestState, int]:
-    kinds: dict[LlmRequestState, int] = {}
-    for state in LlmRequestState:
-        if state == _S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
-            kind = _TRANSFER
-        elif state == _S.DISAGG_GENERATION_INIT:
-            kind = _GEN_INIT
-        elif not until <= state < after or state == _S.DISAGG_CONTEXT_WAIT_SCHEDULER:
-            # Python's scheduler rejects WAIT_SCHEDULER explicitly: an ENCODER_INIT band would
-            # otherwise take in a context-only request still waiting for its generation side.
-            kind = _SKIP
-        elif state in _GENERATION_IN_PROGRESS:
-            kind = _RUNNING
-        elif state in _CONTEXT_INIT:
-            kind = _CONTEXT
-        elif state == _S.ENCODER_INIT:
-            kind = _ENCODER
-        else:
-            kind = _OTHER
-        kinds[state] = kind
-    return kinds
-
-
-_INT_MAX = 2**31 - 1  # PEFT budget without a PEFT manager (C++ INT_MAX)
-# enable_prefix_aware_scheduling=False: first-chunk contexts get this, so there is no reuse credit.
-_ZERO_SUMMARY = PrefixReuseSummary(0, 0, None)
-
-
-def _beneficial_to_skip(
-    summary: PrefixReuseSummary | None,
-    cross_summary: PrefixReuseSummary | None,
-    contributed: set[Any],
-    cross_contributed: set[Any],
-) -> bool:
-    """Pure (registers nothing): an admitted or executing context will store this request's
-    first uncached block, so waiting one round turns that block into a reuse hit."""
-    if summary is not None:
-        block = summary.first_new_block
-        if block is not None and block in contributed:
-            return True
-    if cross_summary is not None:
-        block = cross_summary.first_new_block
-        if block is not None and block in cross_contributed:
-            return True
-    return False
-
-
-def _register_contribution(
-    summary: PrefixReuseSummary | None,
-    cross_summary: PrefixReuseSummary | None,
-    contributed: set[Any],
-    cross_contributed: set[Any],
-) -> None:
-    """Called only once a request is admitted, so no later duplicate waits on a contributor that
-    the budget checks rejected, and a MAX_UTILIZATION retry after a pause never sees its own
-    block."""
-    if summary is not None and summary.first_new_block is not None:
-        contributed.add(summary.first_new_block)
-    if cross_summary is not None and cross_summary.first_new_block is not None:
-        cross_contributed.add(cross_summary.first_new_block)
-
-
-def _reuse_walk_allowed(manager: Any) -> bool:
-    return manager is not None and manager.enable_block_reuse and not manager.is_variable_window
-
-
-# The KVCacheManager methods the plain paths bypass: they call the manager's SchedulingView
-# (the same formulas) and compare the scheduling free count themselves.
-_BYPASSED = frozenset(
-    {
-        "get_remaining_blocks_to_completion",
-        "get_needed_blocks_one_step",
-        "scheduling_has_free_blocks",
-        "analyze_prefix_reuse",
-    }
-)
-
-
-def _is_plain_kv(kv: Any, cross_kv: Any) -> bool:
-    """May the policies take their plain paths, which compute the block needs through
-    ``kv.scheduling_view()`` (the formulas of ``get_remaining_blocks_to_completion`` and
-    ``get_needed_blocks_one_step``, with their side effect on ``estimated_reusable_tokens``)
-    instead of through the blocks managers? Only for exactly ``KVCacheManager`` (a subclass may
-    override the formulas, a double must see its calls), with none of the bypassed methods
-    replaced on the instance, and without a cross pool."""
-    return (
-        type(kv) is KVCacheManager
-        and cross_kv is None
-        and not kv.is_cross
-        and _BYPASSED.isdisjoint(vars(kv))
-    )
-
-
-class CapacityScheduler:
+class CapacityScheduler(PlainKVPathsMixin):
     """Chooses the requests that hold resources this iteration (reference section 2).
 
     ``schedule`` returns the policy's scheduled list split into disaggregated gen-init requests and
@@ -499,204 +389,6 @@ class CapacityScheduler:
                 end = victim  # it and everything after it are out of this round
                 if victim == i:
                     break  # the request paused itself: the loop ends
-        return CapacityOutput(fitting, gen_init, paused)
-
-    # ---- plain KVCacheManager fast paths -----------------------------------------------------
-    # The two methods below make the same decisions, with the same side effects, as
-    # _schedule_no_evict and _schedule_max_utilization for a KVCacheManager (exactly that class)
-    # without a cross pool. They read the manager only through its public fast view
-    # (SchedulingView: the block formulas and the prefix summary, bound once per pass) and its
-    # public counters, and keep the budgets in local ints instead of blocks managers.
-    # tests/unit/test_capacity_plain_path.py compares both paths.
-
-    def _schedule_no_evict_plain(
-        self, requests: Sequence[LlmRequest], kv: KVCacheManager, peft: Any, *, static: bool
-    ) -> CapacityOutput:
-        kinds, cap = self._kinds, self.max_num_requests
-        view = kv.scheduling_view()
-        to_completion = view.blocks_to_completion
-        available = kv.get_num_free_blocks()
-        fitting: list[LlmRequest] = []
-        gen_init: list[LlmRequest] = []
-        pending_gen_init: list[LlmRequest] = []
-        pending: list[LlmRequest] = []
-        seen_tasks: set[Any] = set()
-        claimed_peft = 0
-        admitted = 0
-
-        # Pass 1: running and transfer-in-progress requests, reserved unconditionally.
-        admit, defer, defer_gen_init = fitting.append, pending.append, pending_gen_init.append
-        for req in requests:
-            kind = kinds[req.state]
-            if kind == _SKIP:
-                continue
-            if admitted >= cap:
-                break
-            if kind == _RUNNING or kind == _TRANSFER:
-                admitted += 1
-                if kind == _RUNNING:
-                    admit(req)
-                available -= to_completion(req)
-                task = req.lora_task_id
-                if task is not None and task not in seen_tasks:
-                    seen_tasks.add(task)
-                    if peft is not None:
-                        claimed_peft += peft.determine_num_pages(req)
-            elif kind == _GEN_INIT:
-                defer_gen_init(req)
-            else:
-                defer(req)
-
-        if (static and admitted > 0) or not (pending or pending_gen_init):
-            return CapacityOutput(fitting, gen_init, [])
-
-        # Pass 2: gen-init first, then the rest, each list its own break scope.
-        available_peft = (peft.max_device_pages if peft is not None else _INT_MAX) - claimed_peft
-        prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and _reuse_walk_allowed(kv)
-        skipping = not static and self._skipping_is_relevant(kv, None)
-        contributed = (
-            self._contexts_already_executing(requests, kv, None, view)[0] if skipping else set()
-        )
-        prefix_summary = view.prefix_summary
-        for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
-            for req in pending_list:
-                kind = kinds[req.state]
-                first_chunk = (
-                    kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
-                )
-                summary = block = None
-                if first_chunk:
-                    if not prefix_aware:
-                        summary = _ZERO_SUMMARY
-                    elif walk_self:
-                        summary = prefix_summary(req)
-                    if summary is not None:
-                        block = summary.first_new_block
-                        if skipping and block is not None and block in contributed:
-                            continue
-                if admitted >= cap:
-                    break
-                task = req.lora_task_id
-                new_task = task is not None and task not in seen_tasks
-                needed_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
-                if kind == _CONTEXT or kind == _GEN_INIT:
-                    need = to_completion(req, summary)
-                    if need > available:
-                        break
-                    if needed_peft > available_peft:
-                        continue  # only LoRA pages are short: a later request may fit
-                    available -= need
-                elif kind == _ENCODER:
-                    if needed_peft > available_peft:
-                        continue
-                else:
-                    continue
-                out.append(req)
-                admitted += 1
-                available_peft -= needed_peft
-                if new_task:
-                    seen_tasks.add(task)
-                if skipping and block is not None:
-                    contributed.add(block)
-        return CapacityOutput(fitting, gen_init, [])
-
-    def _schedule_max_utilization_plain(
-        self, requests: Sequence[LlmRequest], kv: KVCacheManager, peft: Any
-    ) -> CapacityOutput:
-        kinds, cap = self._kinds, self.max_num_requests
-        if self.no_schedule_until_state == _S.ENCODER_INIT:
-            raise ValueError("MAX_UTILIZATION from ENCODER_INIT needs a cross KV cache manager")
-        kv.start_scheduling()
-        view = kv.scheduling_view()
-        generation_step, prompt_step = view.generation_step_blocks, view.prompt_step_blocks
-        two_steps = self.two_steps_look_ahead
-        free = kv.get_scheduling_num_free_blocks()  # only a pause moves it during the pass
-        available_peft = peft.max_device_pages if peft is not None else _INT_MAX
-        prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and _reuse_walk_allowed(kv)
-        skipping = self._skipping_is_relevant(kv, None)
-        contributed = (
-            self._contexts_already_executing(requests, kv, None, view)[0] if skipping else set()
-        )
-        prefix_summary = view.prefix_summary
-
-        fitting: list[LlmRequest] = []
-        gen_init: list[LlmRequest] = []
-        paused: list[LlmRequest] = []
-        seen_tasks: set[Any] = set()
-        scheduled_blocks = 0
-        admitted = 0
-        end = len(requests)
-        for i in range(end):
-            if i >= end:  # pauses cut the round short
-                break
-            req = requests[i]
-            kind = kinds[req.state]
-            if kind == _SKIP:
-                continue
-            task = req.lora_task_id
-            new_task = task is not None and task not in seen_tasks
-            if kind == _TRANSFER:
-                # A slot and LoRA pages; its KV is already outside the scheduling free count.
-                if admitted >= cap:
-                    break
-                if new_task:
-                    seen_tasks.add(task)
-                    if peft is not None:
-                        available_peft -= peft.determine_num_pages(req)
-                admitted += 1
-                continue
-            first_chunk = (
-                kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
-            )
-            summary = block = None
-            if first_chunk:
-                if not prefix_aware:
-                    summary = _ZERO_SUMMARY
-                elif walk_self:
-                    summary = prefix_summary(req)
-                if summary is not None:
-                    block = summary.first_new_block
-                    if skipping and block is not None and block in contributed:
-                        continue  # skipped, not paused
-            required_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
-
-            # Neither the slot and page test nor the request's one-step need changes when a
-            # pause is retried (a pause moves only the scheduling free count), so both are
-            # evaluated once, with the formula's side effect on estimated_reusable_tokens.
-            room = admitted < cap and required_peft <= available_peft
-            total = scheduled_blocks
-            if room:
-                if kind == _RUNNING:
-                    total += generation_step(req, two_steps)
-                elif first_chunk or kind == _GEN_INIT:
-                    total += prompt_step(req, summary)
-                elif kind != _ENCODER:  # encoder-init: no KV in either pool
-                    req.estimated_reusable_tokens = 0  # later chunks: their blocks are held
-            fits = room and (kind == _ENCODER or free >= total)
-            while not fits:
-                victim = self._last_started(requests, i, end)
-                if victim < 0:
-                    return CapacityOutput(fitting, gen_init, paused)  # head-of-line blocking
-                paused_req = requests[victim]
-                kv.scheduling_remove_sequence(paused_req.request_id)
-                free = kv.get_scheduling_num_free_blocks()
-                paused.append(paused_req)
-                end = victim  # it and everything after it are out of this round
-                if victim == i:
-                    break  # the request paused itself: the round ends
-                fits = room and (kind == _ENCODER or free >= total)
-            if not fits:
-                break
-            (gen_init if kind == _GEN_INIT else fitting).append(req)
-            scheduled_blocks = total
-            admitted += 1
-            available_peft -= required_peft
-            if new_task:
-                seen_tasks.add(task)
-            if skipping and block is not None:
-                contributed.add(block)
         return CapacityOutput(fitting, gen_init, paused)
 
     def _last_started(self, requests: Sequence[LlmRequest], begin: int, end: int) -> int:

@@ -5,7 +5,8 @@ from pdserve.scheduler.blocks_manager import (
     MaxUtilizationScheduledBlocksManager,
     NoEvictScheduledBlocksManager,
 )
-from pdserve.scheduler.kv_cache import KVCacheManager, PrefixReuseSummary
+from pdserve.scheduler.kv_cache import KVCacheManager
+from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.request import LlmRequest, LlmRequestState as S
 
 B = 10

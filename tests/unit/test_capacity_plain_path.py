@@ -24,7 +24,7 @@ from pdserve.scheduler import (
     PeftCacheManager,
     SimpleScheduler,
 )
-from pdserve.scheduler import capacity as capacity_module
+from pdserve.scheduler import capacity_plain as capacity_module
 from pdserve.scheduler.sim_worker import SimulatedWorker
 
 S = LlmRequestState

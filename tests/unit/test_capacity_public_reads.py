@@ -1,4 +1,5 @@
-"""scheduler/capacity.py reads other objects only through their public names: the KV manager
+"""The capacity scheduler's modules (scheduler/capacity.py, capacity_plain.py with the plain fast
+paths, capacity_common.py) read other objects only through their public names: the KV manager
 through its SchedulingView and public methods, requests and the PEFT manager through their public
 fields. A private attribute (leading underscore, dunders included) may be read only on ``self``
 or ``cls``; getattr-style access with a private name counts as a read too."""
@@ -7,7 +8,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-CAPACITY = Path(__file__).resolve().parents[2] / "scheduler" / "capacity.py"
+import pytest
+
+SCHEDULER = Path(__file__).resolve().parents[2] / "scheduler"
+CAPACITY_MODULES = [SCHEDULER / name for name in
+                    ("capacity.py", "capacity_plain.py", "capacity_common.py")]
 _BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 
 
@@ -45,5 +50,6 @@ def test_the_checker_finds_private_reads() -> None:
     assert sorted(line for line, _ in private_reads(source)) == [3, 4, 5, 6]
 
 
-def test_capacity_reads_no_private_attribute_of_another_object() -> None:
-    assert private_reads(CAPACITY.read_text()) == []
+@pytest.mark.parametrize("path", CAPACITY_MODULES, ids=lambda p: p.name)
+def test_capacity_reads_no_private_attribute_of_another_object(path: Path) -> None:
+    assert private_reads(path.read_text()) == []

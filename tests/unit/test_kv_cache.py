@@ -7,8 +7,8 @@ from pdserve.scheduler.kv_cache import (
     KVCacheManager,
     KVCacheOutOfBlocksError,
     KVCacheStats,
-    PrefixReuseSummary,
 )
+from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.request import LlmRequest
 
 B = 10

@@ -1,7 +1,8 @@
 """Block estimates: remaining-to-completion (reference 2.4) and needed-one-step (reference 2.6)."""
 from __future__ import annotations
 
-from pdserve.scheduler.kv_cache import KVCacheManager, PrefixReuseSummary
+from pdserve.scheduler.kv_cache import KVCacheManager
+from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.request import LlmRequest, LlmRequestState as S, LlmRequestType
 
 B = 10

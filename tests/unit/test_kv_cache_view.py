@@ -6,11 +6,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.scheduler.kv_cache import (
-    KVCacheManager,
-    KVCacheOutOfBlocksError,
-    PrefixReuseSummary,
-)
+from pdserve.scheduler.kv_cache import KVCacheManager, KVCacheOutOfBlocksError
+from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.request import LlmRequest, LlmRequestState as S
 
 _CONTEXT_INIT = (S.CONTEXT_INIT, S.DISAGG_CONTEXT_INIT_AND_TRANS)
