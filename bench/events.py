@@ -4,7 +4,9 @@ A pause-heavy workload (MAX_UTILIZATION, a KV pool that holds a fraction of the 
 through the real executor with the built-in tiny model. The executor's ``WorkerEvents`` is
 replaced by one that times each of its calls (the log line to a file, as a worker actor writes
 to its stderr, plus the record for the router), and once per 0.5 s of work the worker's
-heartbeat status is built (``host.worker_status``) and encoded as the request channel does. Printed:
+heartbeat status is built (``host.worker_status``) and encoded as the request channel does; after
+each step the prefix cache's KV events are drained and encoded as a ``KvEvents`` frame, as the
+channel server does, and each report of an event by the radix tree is timed. Printed:
 
 - events per step, and microseconds per event (pause, resume);
 - microseconds per heartbeat status, and that cost spread over the steps of 0.5 s;
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.cluster.launch import builtin_model_dir
     from pdserve.workers import events as E
     from pdserve.workers.config import EngineConfig
-    from pdserve.transport.requests import Heartbeat, encode_frame
+    from pdserve.scheduler.kv_events import KVEventLog
+    from pdserve.transport.requests import Heartbeat, KvEvents, encode_frame
     from pdserve.workers.engine import build_executor
     from pdserve.workers.host import worker_status
     from pdserve.workers.sampling import SamplingParams
@@ -77,6 +80,28 @@ def main(argv: list[str] | None = None) -> int:
     _, executor = build_executor(builtin_model_dir(), config)
     executor.events = TimedEvents("gen-0")
 
+    class TimedKVEventLog(KVEventLog):
+        """The prefix cache's KV events, each report timed (a tuple and a list append)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls, self.seconds = 0, 0.0
+
+        def stored(self, parent, keys) -> None:
+            t0 = time.perf_counter()
+            super().stored(parent, keys)
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+        def removed(self, keys) -> None:
+            t0 = time.perf_counter()
+            super().removed(keys)
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+    kv_log = TimedKVEventLog()
+    executor.kv.use_event_log(kv_log)
+
     rows = load_trace("azure_llm_2023_conv.csv", args.requests)
     scale = fit_scale(rows, 160, args.max_tokens)
     for i, row in enumerate(rows):
@@ -86,12 +111,20 @@ def main(argv: list[str] | None = None) -> int:
                                                      ignore_eos=True))
 
     steps, step_seconds, status_seconds, statuses = 0, 0.0, 0.0, 0
+    kv_batches, kv_blocks, kv_send_seconds = 0, 0, 0.0
     next_status = time.monotonic()
     while executor.has_work:
         t0 = time.perf_counter()
         executor.step()
         step_seconds += time.perf_counter() - t0
         steps += 1
+        t0 = time.perf_counter()  # what the channel server does after each step
+        batch, _ = kv_log.drain()
+        if batch:
+            encode_frame(KvEvents(kv_batches, batch))
+            kv_batches += 1
+            kv_blocks += sum(len(getattr(e, "keys", ())) for e in batch)
+        kv_send_seconds += time.perf_counter() - t0
         if time.monotonic() >= next_status:  # the heartbeat's share, every 0.5 s of work
             next_status = time.monotonic() + 0.5
             t0 = time.perf_counter()
@@ -116,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         "event_us_per_step": 1e6 * event_seconds / max(1, steps),
         "us_per_heartbeat_status": 1e6 * status_seconds / max(1, statuses),
         "heartbeat_us_per_step": 1e6 * status_seconds / max(1, steps),
+        "kv_event_reports": kv_log.calls, "kv_event_blocks": kv_blocks, "kv_batches": kv_batches,
+        "kv_report_us_per_step": 1e6 * kv_log.seconds / max(1, steps),
+        "kv_send_us_per_step": 1e6 * kv_send_seconds / max(1, steps),
     }
     figures["overhead_share_of_step"] = (
-        (figures["event_us_per_step"] + figures["heartbeat_us_per_step"]) / 1e6 / mean_step)
+        (figures["event_us_per_step"] + figures["heartbeat_us_per_step"]
+         + figures["kv_report_us_per_step"] + figures["kv_send_us_per_step"]) / 1e6 / mean_step)
     print(f"pause-heavy run: {args.requests} requests, {steps} steps, mean step "
           f"{figures['mean_step_ms']:.2f} ms, {figures['pauses']} pauses, {figures['resumes']} resumes")
     print(f"events: {figures['events_per_step']:.3f} per step; {figures['us_per_pause']:.1f} us per "
@@ -126,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
           "us per step")
     print(f"heartbeat status (every 0.5 s): {figures['us_per_heartbeat_status']:.0f} us each, "
           f"{figures['heartbeat_us_per_step']:.2f} us per step")
+    print(f"KV events: {kv_log.calls} reports ({kv_blocks} blocks) in {kv_batches} batches; reporting "
+          f"{figures['kv_report_us_per_step']:.2f} us per step, draining and encoding "
+          f"{figures['kv_send_us_per_step']:.2f} us per step")
     print(f"added per step: {100 * figures['overhead_share_of_step']:.3f} % of the mean step")
     if args.json:
         with open(args.json, "w") as f:

@@ -37,6 +37,10 @@ class RequestRecord:
     kv_ms: float = 0.0
     pauses: int = 0
     cached_tokens: int = 0
+    # The prefill worker's cached prompt prefix: what the router's prefix index predicted when it
+    # chose the worker, and what the worker reused (-1: not reported).
+    predicted_tokens: int = 0
+    reused_tokens: int = -1
     local_prefill: bool = False
     worker: str = ""
     error: str = ""
@@ -140,6 +144,19 @@ def summarize(records: Sequence[RequestRecord], slo: Slo, *, duration_s: float |
         "paused_requests": sum(1 for r in ok if r.pauses),
         "local_prefills": sum(1 for r in ok if r.local_prefill),
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "prefix": _prefix_figures(ok),
+    }
+
+
+def _prefix_figures(ok: Sequence[RequestRecord]) -> dict:
+    """Prefix-cache hits on the prefill worker and how well the router predicted them."""
+    reported = [r for r in ok if r.reused_tokens >= 0]
+    prompt_tokens = sum(r.prompt_len for r in reported)
+    return {
+        "hit_rate": sum(r.reused_tokens for r in reported) / prompt_tokens if prompt_tokens else 0.0,
+        "prediction_exact": (sum(r.predicted_tokens == r.reused_tokens for r in reported) / len(reported)
+                             if reported else math.nan),
+        "reported": len(reported),
     }
 
 

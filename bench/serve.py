@@ -38,24 +38,30 @@ from pdserve.bench.workload import WorkItem, WorkloadSpec, build_workload, mean_
 DEFAULT_ENGINE: dict[str, Any] = dict(
     tokens_per_block=16, max_batch_size=16, max_num_tokens=512,
     context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64, num_kv_blocks=256)
-LAYOUTS: dict[str, tuple[int, int]] = {"1P1D": (1, 1), "colocated": (0, 1), "colocated-x2": (0, 2)}
+LAYOUTS: dict[str, tuple[int, int]] = {"1P1D": (1, 1), "2P1D": (2, 1), "colocated": (0, 1),
+                                       "colocated-x2": (0, 2)}
 
 
 # ---------------------------------------------------------------------------- clusters
 
-def launch_layout(layout: str, engine: dict[str, Any], *, model: str | None = None):
+def launch_layout(layout: str, engine: dict[str, Any], *, model: str | None = None,
+                  routing: str = "round-robin", context_engine: dict[str, Any] | None = None):
     from pdserve.cluster.launch import LaunchConfig, launch
     from pdserve.cluster.router import RouterConfig
 
     num_ctx, num_gen = LAYOUTS[layout]
     return launch(LaunchConfig(model=model, num_context_workers=num_ctx, num_generation_workers=num_gen,
-                               engine=dict(engine), router=RouterConfig(port=0)))
+                               engine=dict(engine), context_engine=dict(context_engine or {}),
+                               router=RouterConfig(port=0, routing=routing)))
 
 
 def run_layouts(layouts: Sequence[str], engine: dict[str, Any], spec: WorkloadSpec, *,
                 model: str | None = None, progress: bool = True, warmup: int = 2,
-                status_interval_s: float = 0.5, num_cpus: int | None = None) -> tuple[list[WorkItem], dict[str, ServeRun]]:
-    """Launch each layout in turn on one Ray instance, replay the same slice, shut it down."""
+                status_interval_s: float = 0.5, num_cpus: int | None = None,
+                routings: Sequence[str] = (), context_engine: dict[str, Any] | None = None
+                ) -> tuple[list[WorkItem], dict[str, ServeRun]]:
+    """Launch each layout (with each routing mode, when given: runs "<layout>/<mode>") in turn
+    on one Ray instance, replay the same slice, shut it down."""
     import ray
 
     from pdserve.cluster.launch import ensure_ray
@@ -63,15 +69,18 @@ def run_layouts(layouts: Sequence[str], engine: dict[str, Any], spec: WorkloadSp
     owns = ensure_ray(num_cpus=num_cpus or max(4, os.cpu_count() or 1))
     runs: dict[str, ServeRun] = {}
     work: list[WorkItem] | None = None
+    runs_to_do = [(f"{layout}/{mode}" if routings else layout, layout, mode)
+                  for layout in layouts for mode in (routings or ["round-robin"])]
     try:
-        for layout in layouts:
-            cluster = launch_layout(layout, engine, model=model)
+        for label, layout, mode in runs_to_do:
+            cluster = launch_layout(layout, engine, model=model, routing=mode,
+                                    context_engine=context_engine)
             try:
                 address = f"127.0.0.1:{cluster.port}"
                 if work is None:
                     work = _fit_work(spec, address)
-                runs[layout] = replay(address, work, label=layout, progress=progress, warmup=warmup,
-                                      status_interval_s=status_interval_s)
+                runs[label] = replay(address, work, label=label, progress=progress, warmup=warmup,
+                                     status_interval_s=status_interval_s)
             finally:
                 cluster.shutdown()
     finally:
@@ -162,8 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=None, help="a running cluster's gRPC port")
     serve.add_argument("--launch", choices=sorted(LAYOUTS), default=None,
                        help="launch this layout on an embedded Ray cluster instead (built-in tiny model)")
-    compare = sub.add_parser("compare", help="1P1D vs 1 colocated vs 2 colocated on the same slice")
+    compare = sub.add_parser("compare", help="1P1D vs 1 colocated vs 2 colocated on the same slice "
+                                              "(or: each routing mode on one layout)")
     compare.add_argument("--layouts", default="1P1D,colocated,colocated-x2")
+    compare.add_argument("--routing", default=None,
+                         help="comma-separated routing modes (round-robin,least-loaded,kv-aware): "
+                              "each layout runs once per mode, on the same slice")
+    compare.add_argument("--context-engine", action="append", default=[], metavar="KEY=VALUE",
+                         help="engine option for the context workers only (e.g. num_kv_blocks=64)")
     plot = sub.add_parser("plot", help="draw the figures again from a serve/compare JSON file")
     plot.add_argument("file", help="a --json file written by bench serve or bench compare")
     plot.add_argument("--out-dir", required=True)
@@ -209,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [x for x in layouts if x not in LAYOUTS]
         if unknown:
             parser.error(f"unknown layouts {unknown}; known: {sorted(LAYOUTS)}")
+        routings = [x.strip() for x in (args.routing or "").split(",") if x.strip()]
+        context_engine = {k: v for k, v in parse_engine(args.context_engine).items()
+                          if k in {p.partition("=")[0].strip().replace("-", "_") for p in args.context_engine}}
         work, runs = run_layouts(layouts, engine, spec, model=args.model, progress=progress,
-                                 warmup=args.warmup, status_interval_s=args.status_interval)
+                                 warmup=args.warmup, status_interval_s=args.status_interval,
+                                 routings=routings, context_engine=context_engine)
     summaries = write_outputs(args.action, runs, work, spec, engine, slo, out_dir, args.json)
     print_table(f"bench {args.action}: {len(work)} requests of {spec.trace} from row {spec.start}, "
                 f"offered {mean_rate(work):.2f} req/s; SLO TTFT <= {slo.ttft_ms:g} ms, "

@@ -68,6 +68,8 @@ async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout
                         rec.kv_bytes, rec.kv_ms, rec.pauses = t.kv_transfer_bytes, t.kv_transfer_ms, t.pauses
                         rec.local_prefill, rec.worker = t.local_prefill, t.gen_worker
                         rec.cached_tokens = delta.usage.cached_prompt_tokens
+                        rec.predicted_tokens = t.prefix_predicted_tokens
+                        rec.reused_tokens = t.prefix_reused_tokens
                         if delta.finish_reason not in ("length", "stop"):
                             rec.error = f"finish_reason={delta.finish_reason}"
             except grpc.aio.AioRpcError as exc:

@@ -58,6 +58,8 @@ TABLE_ROWS = [
     ("KV transfer GB/s (per transfer)", lambda s: f"{s['kv_transfer']['gb_per_s']:.3f}"),
     ("pauses (requests paused)", lambda s: f"{s['pauses']} ({s['paused_requests']})"),
     ("local prefills", lambda s: str(s["local_prefills"])),
+    ("prefix hit rate", lambda s: f"{100 * s['prefix']['hit_rate']:.1f} %"),
+    ("prefix predicted exactly", lambda s: f"{100 * s['prefix']['prediction_exact']:.1f} %"),
     ("duration s", lambda s: f"{s['duration_s']:.1f}"),
 ]
 

@@ -50,7 +50,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model id HTTP clients use (default: the model directory's name)")
     parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
-    parser.add_argument("--context-policy", choices=["round_robin", "least_loaded", "kv_cache_aware"])
+    parser.add_argument("--routing", choices=["round-robin", "least-loaded", "kv-aware"],
+                        help="how workers are picked (default round-robin); kv-aware routes on the "
+                             "workers' prefix caches, known from their KV events")
+    parser.add_argument("--kv-overlap-weight", type=float,
+                        help="kv-aware: the weight of prompt blocks a worker does not cache (default 1.0)")
+    parser.add_argument("--kv-decode-weight", type=float,
+                        help="kv-aware: the weight of KV blocks in use on a worker (default 0.25)")
     parser.add_argument("--max-local-prefill-length", type=int)
     parser.add_argument("--placement", choices=["pack", "spread"])
     parser.add_argument("--max-queue", type=int)
@@ -84,7 +90,7 @@ def launch_config_from_args(args: argparse.Namespace):
         if value is not None:
             engine[f.name] = value
     router = dict(data.get("router") or {})
-    for key in ("context_policy", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
+    for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
                 "http_port", "http_host", "served_model_name"):
         value = getattr(args, key, None)
         if value is not None:

@@ -313,6 +313,9 @@ def router_lines(status: Any) -> list[Text]:
               f"rejected {t.rejected}"),
         _line("KV paths", f"transferred {k.transferred}", f"local {k.local_prefill}",
               f"cached {k.prefix_cached}", f"ctx-done {k.context_finished}", f"failed {k.failed}"),
+        _line("prefix", f"predicted exactly {t.prefix.exact}/{t.prefix.requests}",
+              f"predicted {count(t.prefix.predicted_tokens)} tok",
+              f"reused {count(t.prefix.reused_tokens)} tok"),
     ]
 
 

@@ -75,6 +75,9 @@ KV_TRANSFERS = _spec("pdserve_kv_transfers", COUNTER,
 KV_LEASES_EXPIRED = _spec("pdserve_kv_leases_expired", COUNTER,
                           "Context-side KV leases that expired before a generation worker claimed them")
 # Workers: scheduling and the step loop.
+UNEXPECTED_RECOMPUTES = _spec("pdserve_unexpected_recomputes", COUNTER,
+                               "Generation-only requests a worker prefilled without a pause forcing it "
+                               "(their KV was meant to arrive by transfer); must stay 0")
 PAUSED_REQUESTS = _spec("pdserve_paused_requests", COUNTER,
                         "Requests paused (evicted, KV freed, to be re-prefilled)")
 FINISHED_REQUESTS = _spec("pdserve_worker_finished_requests", COUNTER,
@@ -118,6 +121,14 @@ ROUTER_KV_PATHS = _spec("pdserve_router_kv_paths", COUNTER,
                         "How each finished request's KV reached its generation worker: "
                         "kind=transferred | local_prefill | prefix_cached | context_finished | failed",
                         KIND)
+ROUTER_PREFIX_PREDICTIONS = _spec("pdserve_router_prefix_predictions", COUNTER,
+                                  "Completed requests by how the prefix index's prediction for the "
+                                  "prefill worker compared with what it reused: outcome=exact | over | under",
+                                  OUTCOME)
+ROUTER_PREFIX_PREDICTED_TOKENS = _spec("pdserve_router_prefix_predicted_tokens", COUNTER,
+                                       "Prompt tokens the prefix index predicted the prefill worker caches")
+ROUTER_PREFIX_REUSED_TOKENS = _spec("pdserve_router_prefix_reused_tokens", COUNTER,
+                                    "Prompt tokens the prefill worker reported it reused from its cache")
 ROUTER_QUEUE_SECONDS = _spec("pdserve_router_queue_seconds", HISTOGRAM,
                              "Router receipt to dispatch to the first worker", boundaries=_SECONDS_LATENCY)
 ROUTER_TTFT_SECONDS = _spec("pdserve_router_ttft_seconds", HISTOGRAM,

@@ -69,6 +69,9 @@ from .metric_specs import (
     ROUTER_E2E_SECONDS,
     ROUTER_KV_PATHS,
     ROUTER_PREFILLS,
+    ROUTER_PREFIX_PREDICTED_TOKENS,
+    ROUTER_PREFIX_PREDICTIONS,
+    ROUTER_PREFIX_REUSED_TOKENS,
     ROUTER_QUEUE_DEPTH,
     ROUTER_QUEUE_SECONDS,
     ROUTER_REQUESTS,
@@ -80,6 +83,7 @@ from .metric_specs import (
     STATE,
     TOKENS,
     TOKENS_PER_STEP,
+    UNEXPECTED_RECOMPUTES,
     WORKER,
     _STATE_NAMES,
 )
@@ -214,9 +218,10 @@ class _Counters(NamedTuple):
     transfer_bytes: int
     transfer_seconds: float  # successful transfers only
     leases_expired: int
+    unexpected_recomputes: int
 
 
-_ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0)
+_ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0)
 
 
 class WorkerMetrics(_Recorder):
@@ -269,6 +274,7 @@ class WorkerMetrics(_Recorder):
             (ts.bytes_sent + ts.bytes_received) if ts is not None else 0,
             ts.seconds if ts is not None else 0.0,
             ts.leases_expired if ts is not None else 0,
+            stats.unexpected_recomputes,
         )
         last = self._last
         if cur == last:
@@ -295,6 +301,7 @@ class WorkerMetrics(_Recorder):
         self._inc(KV_TRANSFER_BYTES, d.transfer_bytes)
         self._inc(KV_TRANSFER_TIME, d.transfer_seconds)
         self._inc(KV_LEASES_EXPIRED, d.leases_expired)
+        self._inc(UNEXPECTED_RECOMPUTES, d.unexpected_recomputes)
         if d.transfers > 0 and ts is not None:
             records = ts.records  # bounded deque: only its newest entries can be new
             for i in range(len(records) - min(d.transfers, len(records)), len(records)):
@@ -386,6 +393,15 @@ class RouterMetrics(_Recorder):
         if kind not in KV_PATH_KINDS:
             raise ValueError(f"unknown KV path kind {kind!r}; expected one of {KV_PATH_KINDS}")
         self._inc(ROUTER_KV_PATHS, 1, self._tags_with(KIND, kind))
+
+    def count_prefix_prediction(self, predicted_tokens: int, reused_tokens: int) -> None:
+        """The prefix index's prediction for a completed request's prefill worker against what
+        that worker reported it reused."""
+        outcome = ("exact" if predicted_tokens == reused_tokens
+                   else "over" if predicted_tokens > reused_tokens else "under")
+        self._inc(ROUTER_PREFIX_PREDICTIONS, 1, self._tags_with(OUTCOME, outcome))
+        self._inc(ROUTER_PREFIX_PREDICTED_TOKENS, predicted_tokens)
+        self._inc(ROUTER_PREFIX_REUSED_TOKENS, reused_tokens)
 
     def observe_queue_time(self, seconds: float) -> None:
         self._observe(ROUTER_QUEUE_SECONDS, seconds)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import Collection, Iterable, NamedTuple, Protocol, Sequence
+from typing import Collection, Iterable, Mapping, NamedTuple, Protocol, Sequence
 
-from pdserve.scheduler.block_hash import block_hashes, chain_block_hash  # noqa: F401 (re-exported)
+from pdserve.scheduler.radix_tree import prompt_block_keys
 
 DEFAULT_TOKENS_PER_BLOCK = 32  # TensorRT-LLM kv_cache_aware router default
 DEFAULT_MAX_BATCH_SIZE = 64  # TensorRT-LLM kv_cache_aware router default (load penalty divisor)
-CONTEXT_POLICY_NAMES: tuple[str, ...] = ("round_robin", "least_loaded", "kv_cache_aware")
+# --routing: how the router picks workers (and the simulator, with the same classes).
+ROUTING_MODES: tuple[str, ...] = ("round-robin", "least-loaded", "kv-aware")
 
 
 class WorkerRole(enum.IntEnum):
@@ -41,8 +42,6 @@ class WorkerLoad:
     total_kv_blocks: int = 0
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     healthy: bool = True
-    # block_hashes() values of the blocks in the worker's prefix cache (kv_cache_aware routing).
-    cached_block_hashes: frozenset[int] = field(default_factory=frozenset)
 
     def with_dispatched(self, prompt_tokens: int) -> WorkerLoad:
         """The optimistic view right after sending one more request to this worker."""
@@ -50,30 +49,32 @@ class WorkerLoad:
                        queued_prompt_tokens=self.queued_prompt_tokens + prompt_tokens)
 
 
-# ---- block hashing: scheduler/block_hash.py (the workers hash what they advertise with it too)
+# ---- the prompt and what each worker caches of it ----------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class PromptInfo:
-    """What the policies need to know about a prompt; hashed once per request."""
+    """What the policies need to know about a prompt: its length, its block keys (hashed once per
+    request, ``radix_tree.prompt_block_keys``: the keys the workers' caches use) and, from the
+    router's prefix index, how many leading blocks each worker caches."""
 
     prompt_len: int
     tokens_per_block: int
-    block_hashes: tuple[int, ...] = ()
+    block_keys: tuple[bytes, ...] = ()
+    matched_blocks: Mapping[str, int] = field(default_factory=dict)  # worker id -> leading blocks
 
     @classmethod
     def from_tokens(cls, token_ids: Sequence[int], tokens_per_block: int = DEFAULT_TOKENS_PER_BLOCK
                     ) -> PromptInfo:
-        return cls(len(token_ids), tokens_per_block, block_hashes(token_ids, tokens_per_block))
+        return cls(len(token_ids), tokens_per_block,
+                   tuple(prompt_block_keys(token_ids, tokens_per_block)))
+
+    def with_matches(self, matched_blocks: Mapping[str, int]) -> PromptInfo:
+        return replace(self, matched_blocks=matched_blocks)
 
 
 def matched_tokens(worker: WorkerLoad, prompt: PromptInfo) -> int:
-    """tokens_per_block x the leading run of prompt block hashes the worker caches."""
-    run = 0
-    for h in prompt.block_hashes:
-        if h not in worker.cached_block_hashes:
-            break
-        run += 1
-    return run * prompt.tokens_per_block
+    """Leading prompt tokens the worker caches (whole blocks), as the prefix index says."""
+    return prompt.matched_blocks.get(worker.worker_id, 0) * prompt.tokens_per_block
 
 
 def blocks_needed_for_prompt(prompt_len: int, tokens_per_block: int) -> int:
@@ -128,7 +129,7 @@ class RoundRobinPolicy:
     """Cyclic position over the worker list as given (TensorRT-LLM round_robin). Unhealthy or
     excluded workers are skipped without losing the cycle; removing a worker resets it to 0."""
 
-    name = "round_robin"
+    name = "round-robin"
 
     def __init__(self, role: WorkerRole = WorkerRole.CONTEXT) -> None:
         self.role = role
@@ -165,7 +166,7 @@ class LeastLoadedPolicy(_StatelessPolicy):
     """Context side: fewest queued prompt tokens (TensorRT-LLM load_balancing with use_tokens),
     then fewest active requests, then worker_id."""
 
-    name = "least_loaded"
+    name = "least-loaded"
 
     def rank(self, workers: Sequence[WorkerLoad], prompt: PromptInfo,
              exclude: Collection[str] = ()) -> list[Selection]:
@@ -175,27 +176,54 @@ class LeastLoadedPolicy(_StatelessPolicy):
                 for w in ordered]
 
 
-class KvCacheAwarePolicy(_StatelessPolicy):
-    """score = matched / (blocks x tokens_per_block) - active / max_batch_size; argmax wins
-    (TensorRT-LLM kv_cache_aware). A prompt without a full block scores 0 for the first term.
-    Ties: fewer active requests, then worker_id."""
+@dataclass(frozen=True, slots=True)
+class KvAwareWeights:
+    """The kv-aware cost of sending a prompt to a worker, in KV blocks of work (lower wins):
 
-    name = "kv_cache_aware"
+        overlap x (prompt blocks the worker does not cache: to prefill, or to receive)
+        + queued prefill blocks on the worker + decode x KV blocks in use on it
 
-    def __init__(self, role: WorkerRole = WorkerRole.CONTEXT) -> None:
+    ``overlap`` prices the cache hit against the load; ``decode`` prices running requests (on a
+    context worker, blocks leased to transfers). Defaults chosen by measurement (docs/benchmarks.md,
+    "KV-aware routing")."""
+
+    overlap: float = 1.0
+    decode: float = 0.25
+
+
+class KvAwarePolicy(_StatelessPolicy):
+    """Routes on the workers' real caches (the router's prefix index, fed by KV events) against
+    their load: the lowest ``KvAwareWeights`` cost wins. A generation worker that lacks free
+    blocks for the part of the prompt it does not cache ranks last, as with least-loaded. Ties:
+    more matched blocks, then worker_id."""
+
+    name = "kv-aware"
+
+    def __init__(self, role: WorkerRole = WorkerRole.CONTEXT,
+                 weights: KvAwareWeights = KvAwareWeights()) -> None:
         self.role = role
+        self.weights = weights
+
+    def cost(self, worker: WorkerLoad, prompt: PromptInfo) -> float:
+        tpb = prompt.tokens_per_block
+        matched = prompt.matched_blocks.get(worker.worker_id, 0)
+        new_blocks = blocks_needed_for_prompt(prompt.prompt_len, tpb) - matched
+        queued = -(-worker.queued_prompt_tokens // tpb)
+        used = worker.total_kv_blocks - worker.free_kv_blocks
+        return self.weights.overlap * new_blocks + queued + self.weights.decode * used
 
     def rank(self, workers: Sequence[WorkerLoad], prompt: PromptInfo,
              exclude: Collection[str] = ()) -> list[Selection]:
-        denominator = len(prompt.block_hashes) * prompt.tokens_per_block
+        tpb = prompt.tokens_per_block
+        needed = blocks_needed_for_prompt(prompt.prompt_len, tpb)
         scored = []
         for w in _eligible(workers, self.role, exclude):
-            matched = matched_tokens(w, prompt)
-            score = (matched / denominator if denominator else 0.0) - (
-                w.active_requests / max(1, w.max_batch_size))
-            scored.append((-score, w.active_requests, w.worker_id, matched, score))
+            matched = prompt.matched_blocks.get(w.worker_id, 0)
+            short = self.role == WorkerRole.GENERATION and w.free_kv_blocks < needed - matched
+            cost = self.cost(w, prompt)
+            scored.append((short, cost, -matched, w.worker_id, matched * tpb))
         scored.sort()
-        return [Selection(wid, matched, score) for _, _, wid, matched, score in scored]
+        return [Selection(wid, matched, -cost) for _, cost, _, wid, matched in scored]
 
 
 class GenerationLoadPolicy(_StatelessPolicy):
@@ -203,7 +231,7 @@ class GenerationLoadPolicy(_StatelessPolicy):
     requests, most free KV blocks, worker_id. Reports the chosen worker's matched prefix so the
     conditional-disaggregation check can use it."""
 
-    name = "least_loaded"
+    name = "least-loaded"
     role = WorkerRole.GENERATION
 
     def rank(self, workers: Sequence[WorkerLoad], prompt: PromptInfo,
@@ -218,17 +246,25 @@ class GenerationLoadPolicy(_StatelessPolicy):
                 for w in ordered]
 
 
-def make_policy(name: str, role: WorkerRole = WorkerRole.CONTEXT) -> WorkerPolicy:
-    """A policy by name: "round_robin" | "least_loaded" | "kv_cache_aware". For the generation
-    role, least_loaded is GenerationLoadPolicy (active requests and free KV blocks)."""
-    if name == "round_robin":
-        return RoundRobinPolicy(role)
-    if name == "least_loaded":
-        return GenerationLoadPolicy() if role == WorkerRole.GENERATION else LeastLoadedPolicy()
-    if name == "kv_cache_aware":
-        return KvCacheAwarePolicy(role)
-    raise ValueError(
-        f"unknown router policy {name!r}; expected one of {', '.join(CONTEXT_POLICY_NAMES)}")
+def routing_mode(name: str) -> str:
+    """A --routing value, normalised ("round_robin" is "round-robin"); ValueError if unknown."""
+    mode = name.replace("_", "-")
+    if mode not in ROUTING_MODES:
+        raise ValueError(f"unknown routing mode {name!r}; expected one of {', '.join(ROUTING_MODES)}")
+    return mode
+
+
+def make_policy(name: str, role: WorkerRole = WorkerRole.CONTEXT,
+                weights: KvAwareWeights = KvAwareWeights()) -> WorkerPolicy:
+    """The policy of a routing mode for one role. round-robin and least-loaded pick generation
+    workers by load (GenerationLoadPolicy: free KV blocks and active requests); kv-aware uses
+    the workers' caches for both roles."""
+    mode = routing_mode(name)
+    if mode == "kv-aware":
+        return KvAwarePolicy(role, weights)
+    if role == WorkerRole.GENERATION:
+        return GenerationLoadPolicy()
+    return RoundRobinPolicy(role) if mode == "round-robin" else LeastLoadedPolicy()
 
 
 # ---- conditional disaggregation -----------------------------------------------------------------

@@ -30,6 +30,9 @@ from pdserve.transport.requests import (
     Heartbeat,
     Hello,
     HelloAck,
+    KvEvents,
+    KvSnapshot,
+    KvSnapshotQuery,
     ProtocolError,
     Refused,
     StatusQuery,
@@ -59,11 +62,15 @@ _status_ids = itertools.count(1)
 
 class WorkerChannel:
     def __init__(self, worker_id: str, endpoint: str, token: str,
-                 on_status: Callable[[str, WorkerStatus], None] | None = None) -> None:
+                 on_status: Callable[[str, WorkerStatus], None] | None = None,
+                 on_kv: Callable[["WorkerChannel", KvEvents | KvSnapshot], None] | None = None,
+                 on_closed: Callable[["WorkerChannel"], None] | None = None) -> None:
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.token = token
         self.on_status = on_status
+        self.on_kv = on_kv  # KV events and snapshots, in arrival order
+        self.on_closed = on_closed  # once, when the connection ends
         self.closed_reason: str | None = None
         self.last_heard = time.monotonic()  # any bytes from the worker (heartbeats included)
         self.status: WorkerStatus | None = None  # the newest heartbeat's status
@@ -148,6 +155,10 @@ class WorkerChannel:
     def abort(self, attempt_id: int) -> None:
         self._write(Abort(attempt_id))
 
+    def ask_kv_snapshot(self) -> None:
+        """The worker answers between two steps with its whole cache (KvSnapshot)."""
+        self._write(KvSnapshotQuery())
+
     def close(self, reason: str = "closed by the router") -> None:
         if self._reader_task is not None:
             self._reader_task.cancel()
@@ -187,6 +198,12 @@ class WorkerChannel:
                 q = attempts.get(frame.update.request_id)
                 if q is not None:
                     q.put_nowait(frame.update)
+            elif type(frame) is KvEvents or type(frame) is KvSnapshot:
+                if self.on_kv is not None:
+                    try:
+                        self.on_kv(self, frame)
+                    except Exception:  # a bad batch must not end the channel that carries requests
+                        log.exception("KV events from %s could not be applied", self.worker_id)
             elif type(frame) is Heartbeat:
                 self._on_heartbeat(frame.status)
             elif type(frame) is StatusReply:
@@ -217,3 +234,8 @@ class WorkerChannel:
         if attempts:
             log.warning("request channel to %s (%s) closed with %d attempt(s) live: %s",
                         self.worker_id, self.endpoint, len(attempts), why)
+        if self.on_closed is not None:
+            try:
+                self.on_closed(self)
+            except Exception:
+                log.exception("closing %s's channel: the close callback failed", self.worker_id)

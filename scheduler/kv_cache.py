@@ -33,7 +33,8 @@ from typing import NamedTuple, Sequence
 
 from .kv_estimates import SchedulingEstimatesMixin
 from .kv_prefix_reuse import PrefixReuseMixin
-from .radix_tree import RadixTree
+from .kv_events import BlocksStored, KVEventLog
+from .radix_tree import BlockKey, RadixTree
 from .request import LlmRequest
 
 
@@ -113,7 +114,10 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
 
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
-        self._tree = RadixTree()
+        # With block reuse, what the prefix cache does is reported as KV events (the router keeps
+        # an exact index of every worker's cache from them; scheduler/kv_events.py).
+        self.kv_events: KVEventLog | None = KVEventLog() if enable_block_reuse else None
+        self._tree = RadixTree(self.kv_events)
         self._seqs: dict[int, _Sequence] = {}
 
         # Scheduling simulation: per-block counts are valid only if stamped with the epoch.
@@ -132,6 +136,22 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
 
     def get_num_cached_blocks(self) -> int:
         return self._tree.num_cached
+
+    def use_event_log(self, log: KVEventLog | None) -> None:
+        """Report KV events to ``log`` from now on (None: not at all). For benchmarks and tests;
+        a worker keeps the log it was built with."""
+        self.kv_events = log
+        self._tree.events = log
+
+    def cached_leading_blocks(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` (``radix_tree.prompt_block_keys``) this cache holds now: the
+        exact answer a router's prefix index approximates from events (an oracle for tests and
+        the simulator)."""
+        return len(self._tree.match(keys))
+
+    def kv_snapshot(self) -> list[BlocksStored]:
+        """The whole prefix cache as ``BlocksStored`` events, parents first (see kv_events)."""
+        return self._tree.snapshot()
 
     def sequence_ids(self) -> list[int]:
         """Ids of every request that holds blocks (for leak checks)."""

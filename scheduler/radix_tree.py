@@ -29,6 +29,8 @@ from array import array
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
+from .kv_events import BlocksStored, KVEventLog
+
 BlockKey = bytes
 """A chained block key: 16-byte BLAKE2b digest of (previous key, block tokens)."""
 
@@ -64,6 +66,17 @@ def chain_block_keys(
     return keys
 
 
+def prompt_block_keys(token_ids: Sequence[int], tokens_per_block: int,
+                      lora_task_id: int | None = None) -> list[BlockKey]:
+    """The keys a worker caches a prompt's blocks under: its full blocks over all but the last
+    token (the last prompt token is always recomputed, so a block ending on it is never reused).
+    The one block hash the workers' caches and the router's prefix index share."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    count = max(0, (len(token_ids) - 1) // tokens_per_block)
+    return chain_block_keys(token_ids, tokens_per_block, count, prev=lora_seed(lora_task_id))
+
+
 class _Node:
     __slots__ = ("key", "block_id", "parent", "children")
 
@@ -80,9 +93,11 @@ class RadixTree:
     The tree knows nothing about reference counts: the owner tells it when a cached block
     becomes free (``mark_free``) or is taken again (``mark_used``)."""
 
-    __slots__ = ("_root", "_by_block", "_by_key", "_lru", "_free_keys", "version")
+    __slots__ = ("_root", "_by_block", "_by_key", "_lru", "_free_keys", "version", "events")
 
-    def __init__(self) -> None:
+    def __init__(self, events: KVEventLog | None = None) -> None:
+        # Where each change to the cached set is reported (``kv_events.py``); None: nowhere.
+        self.events = events
         # Bumped by every change that can alter a walk's outcome (a node added or removed, a
         # cached block turning free or used), so callers can cache walk results.
         self.version = 0
@@ -173,12 +188,15 @@ class RadixTree:
         node = self._root
         added: list[int] = []
         by_block = self._by_block
+        first_parent: _Node | None = None  # the new blocks form one chain below this node
         for key, block_id in zip(keys, block_ids):
             child = node.children.get(key)
             if child is None:
                 if block_id in by_block:
                     # A block caches one prefix only; it cannot start a second path.
                     raise ValueError(f"block {block_id} is already cached under another key")
+                if first_parent is None:
+                    first_parent = node
                 child = _Node(key, block_id, node)
                 node.children[key] = child
                 by_block[block_id] = child
@@ -187,6 +205,10 @@ class RadixTree:
             node = child
         if added:
             self.version += 1
+            if self.events is not None:
+                # A new node has no children, so the added keys are the walk's last ones.
+                walked = min(len(keys), len(block_ids))
+                self.events.stored(first_parent.key, tuple(keys[walked - len(added):walked]))
         return added
 
     # ---- free / used / evict ------------------------------------------------------------------
@@ -219,11 +241,27 @@ class RadixTree:
         released = self._remove_subtree(node)
         return block_id, released
 
+    def snapshot(self) -> list[BlocksStored]:
+        """Every cached block as ``BlocksStored`` events, parents before children, single-child
+        runs joined into one event: what a router replaces its view of this cache with."""
+        out: list[BlocksStored] = []
+        stack = [(self._root, child) for child in self._root.children.values()]
+        while stack:
+            parent, node = stack.pop()
+            chain = [node.key]
+            while len(node.children) == 1:
+                (node,) = node.children.values()
+                chain.append(node.key)
+            out.append(BlocksStored(parent.key, tuple(chain)))
+            stack.extend((node, child) for child in node.children.values())
+        return out
+
     def _remove_subtree(self, top: _Node) -> list[int]:
         assert top.parent is not None
         del top.parent.children[top.key]  # type: ignore[arg-type]
         top.parent = None
         released: list[int] = []
+        removed_keys: list[BlockKey] = []
         stack = [top]
         by_block, by_key, lru = self._by_block, self._by_key, self._lru
         while stack:
@@ -236,6 +274,9 @@ class RadixTree:
                 released.append(node.block_id)
             stack.extend(node.children.values())
             node.children = {}
+            removed_keys.append(node.key)
+        if self.events is not None:
+            self.events.removed(tuple(removed_keys))
         return released
 
     # ---- invariants (tests) -------------------------------------------------------------------

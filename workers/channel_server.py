@@ -37,6 +37,9 @@ from pdserve.transport.requests import (
     Generate,
     Heartbeat,
     HelloAck,
+    KvEvents,
+    KvSnapshot,
+    KvSnapshotQuery,
     ProtocolError,
     Refused,
     StatusQuery,
@@ -133,8 +136,12 @@ class RequestChannelServer:
         self._lock = threading.Lock()
         self._stopping = False
         self._next_heartbeat = 0.0
+        # KV events: batches numbered per worker process (the router checks there is no gap).
+        self._kv_events = host.executor.kv.kv_events
+        self._kv_seq = 0
         host.add_flush_hook(self._flush_all)
         host.add_tick_hook(self._heartbeat)
+        host.add_tick_hook(self._kv_events_tick)
         self._accept_thread = threading.Thread(target=self._accept, name=f"{self.name}-channel-accept",
                                                daemon=True)
         self._accept_thread.start()
@@ -227,6 +234,11 @@ class RequestChannelServer:
                 conn.flush()  # answered at once (refused): no step will flush it
         elif isinstance(frame, Abort):
             self.host.abort(frame.request_id)
+        elif isinstance(frame, KvSnapshotQuery):
+            try:
+                self.host.post(lambda: self._answer_kv_snapshot(conn))
+            except RuntimeError:  # the step loop is dead: the process is on its way out
+                pass
         elif isinstance(frame, StatusQuery):
             qid = frame.query_id
             try:
@@ -241,6 +253,40 @@ class RequestChannelServer:
         conn.queue(StatusReply(query_id, self.host.status(drain_events=True)))
         conn.flush()
 
+    def _queue_kv_events(self) -> bool:
+        """On the loop thread: the cache's events since the last batch, to every connection.
+        A log that overflowed sends the whole cache instead (a snapshot the router replaces
+        its view with). Returns whether anything was queued."""
+        log = self._kv_events
+        if log is None:
+            return False
+        events, overflowed = log.drain()
+        if not events and not overflowed:
+            return False
+        with self._lock:
+            conns = list(self._connections)
+        if overflowed:  # a snapshot names the next batch's seq; it takes no number itself
+            frame = KvSnapshot(self._kv_seq, self.host.executor.kv.kv_snapshot())
+        else:
+            frame = KvEvents(self._kv_seq, events)
+            self._kv_seq += 1
+        for conn in conns:
+            conn.queue(frame)
+        return True
+
+    def _kv_events_tick(self) -> None:
+        if self._queue_kv_events():  # events outside a step's updates (e.g. a receive)
+            self._flush_conns()
+
+    def _answer_kv_snapshot(self, conn: _Connection) -> None:
+        """On the loop thread: what is pending goes out first as a numbered batch, so the
+        snapshot (which already contains its effect) names the batch after it and nothing is
+        applied twice; other connections see no gap."""
+        self._queue_kv_events()
+        kv = self.host.executor.kv
+        conn.queue(KvSnapshot(self._kv_seq, kv.kv_snapshot() if self._kv_events is not None else []))
+        self._flush_conns()
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         if now < self._next_heartbeat:
@@ -253,9 +299,14 @@ class RequestChannelServer:
         frame = Heartbeat(self.host.status(drain_events=True))
         for conn in conns:
             conn.queue(frame)
-        self._flush_all()
+        self._flush_conns()
 
     def _flush_all(self) -> None:
+        """After a step's updates: this step's KV events join the same write."""
+        self._queue_kv_events()
+        self._flush_conns()
+
+    def _flush_conns(self) -> None:
         with self._lock:
             conns = list(self._connections)
         for conn in conns:

@@ -29,10 +29,6 @@ class ContextWorker(RayWorker):
         return RayWorker.status(self)
 
     @ray.method(concurrency_group="control")
-    def cached_block_hashes(self) -> list[int]:
-        return RayWorker.cached_block_hashes(self)
-
-    @ray.method(concurrency_group="control")
     def request_states(self) -> dict:
         return RayWorker.request_states(self)
 

@@ -26,6 +26,7 @@ from pdserve.scheduler import (
     KVCacheManager,
     LlmRequest,
     LlmRequestState,
+    LlmRequestType,
     MicroBatchScheduler,
     SimpleScheduler,
     lifecycle,
@@ -56,6 +57,9 @@ class ExecutorStats:
     finished: int = 0
     aborted: int = 0
     deadlines_exceeded: int = 0
+    # Generation-only requests prefilled here although no pause forced it (their KV was meant
+    # to arrive by transfer). An invariant check: it must stay 0.
+    unexpected_recomputes: int = 0
 
 
 @dataclass(slots=True)
@@ -297,6 +301,12 @@ class Executor:
 
         if self.paused_since:
             self._note_resumed(out.context_requests)
+        for request in out.context_requests:
+            if (request.llm_request_type == LlmRequestType.GENERATION_ONLY and request.num_pauses == 0
+                    and request.context_current_position == 0):
+                self.stats.unexpected_recomputes += 1
+                log.error("request %d: generation-only request prefilled here without a pause",
+                          request.request_id)
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
         for request in out.generation_requests:
@@ -340,7 +350,12 @@ class Executor:
             "queue_depth": len(self.waiting),
             "free_blocks": free,
             "total_blocks": self.kv.num_blocks,
+            "cached_blocks": self.kv.get_num_cached_blocks(),
             "pauses": self.stats.pauses,
+            "queued_prefill_tokens": sum(
+                r.prompt_len - r.context_current_position for r in (*self.waiting, *self.active)
+                if r.state == LlmRequestState.CONTEXT_INIT),
+            "unexpected_recomputes": self.stats.unexpected_recomputes,
             "steps": self.stats.steps,
             "finished": self.stats.finished,
             "aborted": self.stats.aborted,

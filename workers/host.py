@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.scheduler import LlmRequest
-from pdserve.scheduler.block_hash import block_hashes
 from pdserve.transport.requests import (
     ErrorKind,
     TransferTotals,
@@ -49,7 +48,6 @@ log = logging.getLogger("pdserve.worker")
 
 Sink = Callable[[WireUpdate], None]
 MAX_TOMBSTONES = 10_000  # aborted ids that were unknown when the abort came (bounded memory)
-MAX_ADVERTISED_HASHES = 50_000  # cached-prefix hashes for the kv_cache_aware policy
 
 
 @dataclass
@@ -112,8 +110,6 @@ class WorkerHost:
         self._sinks: dict[int, Sink] = {}
         self._flush_hooks: list[Callable[[], None]] = []  # after updates were handed to sinks
         self._tick_hooks: list[Callable[[], None]] = []  # every loop turn (<= idle_wait_s apart)
-        self._hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._hashes_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-loop", daemon=True)
         self._thread.start()
@@ -189,8 +185,6 @@ class WorkerHost:
         except RuntimeError as exc:
             sink(WireUpdate.failed(rid, ErrorKind.UNAVAILABLE, str(exc)))
             return False
-        if self.config.enable_block_reuse:  # prefilled or received, its blocks end up cached here
-            self._advertise(wire.prompt)
         return True
 
     def stream(self, wire: WireRequest) -> RequestStream:
@@ -264,18 +258,6 @@ class WorkerHost:
                  paused_requests=len(self.executor.paused_since),
                  capacity_policy=self.config.capacity_scheduler_policy.name)
         return s
-
-    def cached_block_hashes(self) -> list[int]:
-        with self._hashes_lock:
-            return list(self._hashes)
-
-    def _advertise(self, prompt: list[int]) -> None:
-        with self._hashes_lock:
-            for h in block_hashes(prompt, self.config.tokens_per_block):
-                self._hashes[h] = None
-                self._hashes.move_to_end(h)
-            while len(self._hashes) > MAX_ADVERTISED_HASHES:
-                self._hashes.popitem(last=False)
 
     # ------------------------------------------------------------------ test hooks
 
@@ -392,6 +374,8 @@ def worker_status(ex: Executor, worker_id: str, role: str, config: EngineConfig,
         requests_by_state=s["requests_by_state"], free_blocks=s["free_blocks"],
         total_blocks=s["total_blocks"], quarantined_blocks=s["quarantined_blocks"],
         pauses=s["pauses"], paused_requests=len(ex.paused_since),
+        queued_prefill_tokens=s["queued_prefill_tokens"],
+        unexpected_recomputes=ex.stats.unexpected_recomputes,
         generated_tokens=ex.stats.generated_tokens, context_tokens=ex.stats.context_tokens,
         steps=s["steps"], transfers=TransferTotals(**{k: t[k] for k in _TRANSFER_FIELDS if k in t}),
         violations=s["violations"], events=ex.events.drain() if drain_events else [])

@@ -139,9 +139,6 @@ class RayWorker:
     def request_states(self) -> dict[int, str]:
         return self.host.call(self.host.executor.request_states)  # type: ignore[return-value]
 
-    def cached_block_hashes(self) -> list[int]:
-        return self.host.cached_block_hashes()
-
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
         """Runs in the "transfer" concurrency group: returns when the bytes have landed."""
         return self.host.kv_control.serve(payload, endpoint)

@@ -6,12 +6,17 @@ from typing import NamedTuple
 
 import grpc
 
+from pdserve.cluster.policies import routing_mode
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
-    context_policy: str = "round_robin"
+    # How workers are picked: round-robin | least-loaded | kv-aware (policies.ROUTING_MODES).
+    routing: str = "round-robin"
+    kv_overlap_weight: float = 1.0  # kv-aware: policies.KvAwareWeights
+    kv_decode_weight: float = 0.25
     max_local_prefill_length: int | None = None  # conditional disaggregation off by default
     max_queue: int = 1024
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
@@ -29,6 +34,15 @@ class RouterConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # default: the model directory's name
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "routing", routing_mode(self.routing))
+        except ValueError as exc:
+            raise ValueError(f"routing: {exc}") from None
+        for name in ("kv_overlap_weight", "kv_decode_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 
 
 class WorkerFailure(RuntimeError):

@@ -66,8 +66,9 @@ class Router:
             max_input_len=min(min(i.max_input_len for i in infos.values()), pool_tokens - 1),
             max_seq_len=min(min(i.max_seq_len for i in infos.values()), pool_tokens),
         )
-        self.context_policy = P.make_policy(config.context_policy, P.WorkerRole.CONTEXT)
-        self.generation_policy = P.make_policy("least_loaded", P.WorkerRole.GENERATION)
+        weights = P.KvAwareWeights(config.kv_overlap_weight, config.kv_decode_weight)
+        self.context_policy = P.make_policy(config.routing, P.WorkerRole.CONTEXT, weights)
+        self.generation_policy = P.make_policy(config.routing, P.WorkerRole.GENERATION, weights)
         self.max_inflight = config.max_inflight or sum(infos[g].max_batch_size for g in self.registry.gen_ids)
         self.reorder = (AgentTreePolicy(config.agent_percentage, list(config.agent_types),
                                         config.agent_inflight_seq_num)
@@ -83,6 +84,9 @@ class Router:
                                       "retries", "remote_prefills", "local_prefills")}
         # How each finished request's KV reached its generation worker (KvPathTotals).
         self.kv_paths = {k: 0 for k in KV_PATH_KINDS}
+        # The prefix index's prediction for each completed request's prefill worker against what
+        # the worker reported it reused (PrefixTotals).
+        self.prefix = {"requests": 0, "exact": 0, "predicted_tokens": 0, "reused_tokens": 0}
         self._ids = itertools.count(1)
         self.attempt_ids = itertools.count(1)  # the request id each worker attempt carries
         self.dispatcher = Dispatcher(self)
@@ -235,6 +239,7 @@ class Router:
         text += req.text.finish()
         self.totals["completed"] += 1
         self._count_kv_path(req.kv_path())
+        self._count_prediction(req)
         if self.metrics is not None:
             self.metrics.count_request("completed")
             self.metrics.observe_e2e(now - req.received)
@@ -261,6 +266,17 @@ class Router:
         self.kv_paths[path] += 1
         if self.metrics is not None:
             self.metrics.count_kv_path(path)
+
+    def _count_prediction(self, req: RouterRequest) -> None:
+        if req.reused_tokens is None:
+            return
+        p = self.prefix
+        p["requests"] += 1
+        p["exact"] += req.predicted_tokens == req.reused_tokens
+        p["predicted_tokens"] += req.predicted_tokens
+        p["reused_tokens"] += req.reused_tokens
+        if self.metrics is not None:
+            self.metrics.count_prefix_prediction(req.predicted_tokens, req.reused_tokens)
 
     def _count_failed(self) -> None:
         self.totals["failed"] += 1
@@ -314,11 +330,11 @@ class Router:
                 "dispatch_log": len(self.dispatch_log), "restarts": dict(registry.restarts),
                 "violations": self.router_violations() + [
                     f"{w}: {v}" for w, vs in sorted(registry.violations.items()) for v in vs],
-                "serving": self.serving, "pid": os.getpid(),
-                "healthy": {w: load.healthy for w, load in sorted(registry.loads.items())},
-                # prefix blocks each worker advertised at the last refresh (routing input)
-                "cached_blocks": {w: len(load.cached_block_hashes)
-                                  for w, load in sorted(registry.loads.items())}}
+                "serving": self.serving, "pid": os.getpid(), "prefix": dict(self.prefix),
+                "kv_index": {w: registry.index.num_blocks(w) for w in registry.index.workers()},
+                "kv_snapshots_asked": dict(registry.snapshots_asked),
+                "kv_event_blocks": {w: dict(c) for w, c in registry.kv_event_blocks.items()},
+                "healthy": {w: load.healthy for w, load in sorted(registry.loads.items())}}
 
     def router_violations(self) -> list[str]:
         """The router's own invariants: counts in range, the two request maps in step, and no

@@ -98,7 +98,8 @@ class Dispatcher:
         failed: set[tuple[str | None, str]] = set()
         last_error = ""
         try:
-            prompt_info = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
+            blank = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
+            prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
             plan = self._first_plan(req, prompt_info)
             while True:
                 if plan.action == P.RetryAction.GIVE_UP:
@@ -106,6 +107,9 @@ class Dispatcher:
                                  f"no worker could serve the request: {plan.reason}{last_error}")
                     return
                 try:
+                    prefill_worker = plan.ctx_worker if plan.action == P.RetryAction.PAIR else plan.gen_worker
+                    req.predicted_tokens = (prompt_info.matched_blocks.get(prefill_worker, 0)
+                                            * prompt_info.tokens_per_block)
                     if plan.action == P.RetryAction.PAIR:
                         await self._remote(req, plan.ctx_worker, plan.gen_worker)
                     else:
@@ -118,6 +122,7 @@ class Dispatcher:
                                 plan.ctx_worker, plan.gen_worker, exc)
                     last_error = f"; last failure: {exc}"
                     failed.add((plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker))
+                    prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
                     plan = P.plan_retry(failed, list(self.registry.loads.values()), prompt_info,
                                         retries_used=req.retries, max_retries=self.config.max_retries,
                                         context_policy=r.context_policy,
@@ -174,6 +179,8 @@ class Dispatcher:
         self._check_final(last, f"context worker {ctx_id}")
         if last.kind == UpdateKind.ABORTED:
             return
+        if last.info is not None:
+            req.reused_tokens = last.info.cached_tokens
         first = last.new_token_ids
         if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
             # Ended on the context worker (a stop token, or it was all the client asked for).
@@ -217,6 +224,8 @@ class Dispatcher:
                     break
                 if update.new_token_ids and req.phase != Phase.DECODE:
                     req.move(Phase.DECODE)
+                if update.finished and req.local_prefill and update.info is not None:
+                    req.reused_tokens = update.info.cached_tokens
                 await self.router.emit(req, update.new_token_ids, update.finish_reason, update.info)
         self._check_final(last, f"generation worker {gen_id}")
 

@@ -1,5 +1,11 @@
 """The router's view of its workers: who they are (``WorkerInfo``), their request channels, the
-load view built from their heartbeats, their health, restarts and events.
+load view built from their heartbeats, what their prefix caches hold (``PrefixIndex``, fed by
+their KV events), their health, restarts and events.
+
+The prefix index is exact against each worker's events: when a channel opens the router asks
+for a snapshot (``KvSnapshotQuery``) and ignores batches until it arrives; a gap in the batch
+numbers (or an event that does not fit what the worker holds) drops that worker's entries and
+asks again; a closed channel (a dead or restarted worker) drops them at once.
 
 Liveness: a worker whose channel is down is reconnected in the background; one whose heartbeats
 stopped is unhealthy. A dead worker (its channel closes, or a Ray actor error) is marked
@@ -10,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from typing import Any
 
 from pdserve.cluster import policies as P
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.worker_channel import ChannelClosed, WorkerChannel
-from pdserve.transport.requests import WorkerEvent, WorkerInfo, WorkerStatus
+from pdserve.scheduler.kv_events import BlocksRemoved, BlocksStored
+from pdserve.transport.requests import KvEvents, KvSnapshot, WorkerEvent, WorkerInfo, WorkerStatus
 
 from .config import RouterConfig, WorkerFailure
 
@@ -46,6 +53,10 @@ class WorkerRegistry:
         self.restarts: dict[str, int] = {w: 0 for w in infos}
         # The workers' transfer, pause and resume events, from their heartbeats (oldest first).
         self.events: collections.deque[WorkerEvent] = collections.deque(maxlen=MAX_EVENTS)
+        self.index = PrefixIndex()
+        self.snapshots_asked: dict[str, int] = {w: 0 for w in infos}  # (re)syncs of each index
+        # Blocks each worker reported stored and removed (applied batches only).
+        self.kv_event_blocks: dict[str, dict[str, int]] = {w: {"stored": 0, "removed": 0} for w in infos}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._reconnects: dict[str, asyncio.Task] = {}  # worker id -> its reconnect in progress
 
@@ -77,9 +88,11 @@ class WorkerRegistry:
                 return channel
             info = self.infos[worker_id]
             channel = WorkerChannel(worker_id, info.request_endpoint, info.request_token,
-                                    on_status=self.on_status)
+                                    on_status=self.on_status, on_kv=self._on_kv,
+                                    on_closed=self._on_channel_closed)
             await channel.connect(timeout_s)
             self.channels[worker_id] = channel
+            self._resync(channel)
             return channel
 
     async def channel_for(self, worker_id: str, timeout_s: float) -> WorkerChannel:
@@ -117,6 +130,58 @@ class WorkerRegistry:
         except (TimeoutError, ChannelClosed) as exc:
             log.warning("status of %s: %r", worker_id, exc)
 
+    # ------------------------------------------------------------------ the prefix index
+
+    def _resync(self, channel: WorkerChannel) -> None:
+        """Forget what the index holds for the worker and ask it for its whole cache."""
+        worker_id = channel.worker_id
+        if worker_id not in self.index.workers():
+            self.index.add_worker(worker_id)
+        self.index.expect_snapshot(worker_id)
+        self.snapshots_asked[worker_id] = self.snapshots_asked.get(worker_id, 0) + 1
+        try:
+            channel.ask_kv_snapshot()
+        except ChannelClosed:
+            pass  # the close callback has dropped its entries
+
+    def _on_kv(self, channel: WorkerChannel, frame: KvEvents | KvSnapshot) -> None:
+        """A batch or a snapshot from the worker (on the router's loop, in arrival order). Only
+        the current channel's frames count: an old connection's may still be draining."""
+        worker_id = channel.worker_id
+        if self.channels.get(worker_id) is not channel or not channel.open:
+            return
+        if type(frame) is KvSnapshot:
+            if not self.index.apply_snapshot(worker_id, frame.seq - 1, frame.events):
+                log.warning("KV snapshot of %s does not fit together; asking again", worker_id)
+                self._resync(channel)
+            return
+        if self.index.needs_snapshot(worker_id):
+            return  # the snapshot asked for is on its way
+        if not self.index.apply(worker_id, frame.seq, frame.events):
+            log.warning("KV events of %s: gap or mismatch at batch %d; asking for a snapshot",
+                        worker_id, frame.seq)
+            self._resync(channel)
+            return
+        counts = self.kv_event_blocks.setdefault(worker_id, {"stored": 0, "removed": 0})
+        for event in frame.events:
+            if type(event) is BlocksStored:
+                counts["stored"] += len(event.keys)
+            elif type(event) is BlocksRemoved:
+                counts["removed"] += len(event.keys)
+
+    def _on_channel_closed(self, channel: WorkerChannel) -> None:
+        """A worker whose channel closed (dead, restarting, or just disconnected) loses its
+        index entries at once; the next channel starts from a snapshot."""
+        current = self.channels.get(channel.worker_id)
+        if (current is channel or current is None) and channel.worker_id in self.index.workers():
+            self.index.remove_worker(channel.worker_id)
+
+    def prefix_matches(self, prompt: P.PromptInfo) -> dict[str, int]:
+        """Each worker's cached leading run of the prompt's blocks (workers with none left out)."""
+        if not prompt.block_keys:
+            return {}
+        return self.index.match(prompt.block_keys)
+
     def close(self) -> None:
         for task in self._reconnects.values():
             task.cancel()
@@ -135,9 +200,8 @@ class WorkerRegistry:
         old = self.loads[worker_id]
         self.loads[worker_id] = P.WorkerLoad(
             worker_id, old.role, active_requests=s.num_active + s.queue_depth,
-            queued_prompt_tokens=0, free_kv_blocks=s.free_blocks, total_kv_blocks=s.total_blocks,
-            max_batch_size=s.max_batch_size, healthy=s.healthy,
-            cached_block_hashes=old.cached_block_hashes)
+            queued_prompt_tokens=s.queued_prefill_tokens, free_kv_blocks=s.free_blocks, total_kv_blocks=s.total_blocks,
+            max_batch_size=s.max_batch_size, healthy=s.healthy)
 
     def note_dispatch(self, worker_id: str, prompt_tokens: int) -> None:
         """The optimistic view until the next heartbeat, so a burst spreads out."""
@@ -153,8 +217,7 @@ class WorkerRegistry:
                                                  max_batch_size=old.max_batch_size)
 
     async def refresh(self) -> None:
-        """Liveness, not load (heartbeats bring the load). Only the prefix-cache policies still
-        ask workers over Ray, for their advertised hashes."""
+        """Liveness, not load (heartbeats bring the load, KV events the caches)."""
         now = time.monotonic()
         for worker_id in self.handles:
             channel = self.channels.get(worker_id)
@@ -167,17 +230,6 @@ class WorkerRegistry:
             heard = channel.status_at if channel.status is not None else channel.connected_at
             if now - heard > self.config.status_timeout_s:
                 self.mark_unhealthy(worker_id, f"no heartbeat status for {now - heard:.1f} s")
-        if self.config.context_policy == "kv_cache_aware" or self.config.max_local_prefill_length is not None:
-            await asyncio.gather(*(self._refresh_hashes(w) for w in self.handles))
-
-    async def _refresh_hashes(self, worker_id: str) -> None:
-        try:
-            hashes = frozenset(await asyncio.wait_for(
-                self.handles[worker_id].cached_block_hashes.remote(), self.config.status_timeout_s))
-        except Exception as exc:
-            log.warning("cached block hashes of %s: %r", worker_id, exc)
-            return
-        self.loads[worker_id] = dataclasses.replace(self.loads[worker_id], cached_block_hashes=hashes)
 
     async def _reconnect(self, worker_id: str) -> None:
         """Open the worker's channel again. When its endpoint no longer answers, ask Ray for

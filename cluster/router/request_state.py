@@ -74,6 +74,10 @@ class RouterRequest:
     pauses: int = 0
     cached_tokens: int = 0
     kv_blocks: int | None = None  # blocks the generation worker's receive moved (kv_path)
+    # The prefill worker's cached prefix: what the prefix index predicted when the worker was
+    # chosen, and what the worker reported it reused (None until it reported).
+    predicted_tokens: int = 0
+    reused_tokens: int | None = None
     cancelled: bool = False
     task: asyncio.Task | None = None
 

@@ -62,12 +62,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await asyncio.gather(*(registry.ask_status(w) for w in registry.worker_ids))
         statuses = [worker_status_proto(router, w) for w in sorted(registry.worker_ids)]
         totals = pb.RouterTotals(in_flight=router.inflight, kv_paths=pb.KvPathTotals(**router.kv_paths),
-                                 **router.totals)
+                                 prefix=pb.PrefixTotals(**router.prefix), **router.totals)
         events = [event_proto(e) for e in itertools.islice(
             reversed(registry.events), STATUS_EVENTS)][::-1]
         return pb.ClusterStatus(workers=statuses, router_queue_depth=len(router.waiting),
-                                totals=totals, context_policy=router.config.context_policy,
-                                generation_policy="least_loaded", recent_events=events)
+                                totals=totals, context_policy=router.context_policy.name,
+                                generation_policy=router.generation_policy.name,
+                                recent_events=events)
 
 
 async def start_grpc(router: "Router") -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:

@@ -207,8 +207,8 @@ def test_conditional_disaggregation_sends_short_prompts_to_the_generation_worker
     short_tail = long_prompt + [9, 9, 9]  # the cached part is long_prompt; 3 new tokens
     (tokens1, last1), = asyncio.run(_generate_all(cl.port, [long_prompt], 6))
     assert not last1.timings.local_prefill and last1.timings.ctx_worker == "ctx-0"
-    deadline = time.monotonic() + 60  # the router's next refresh sees gen-0's cached prefix
-    while not ray.get(cl.router.debug_state.remote(), timeout=30)["cached_blocks"]["gen-0"]:
+    deadline = time.monotonic() + 60  # gen-0 stored the prompt's blocks: its KV events say so
+    while not ray.get(cl.router.debug_state.remote(), timeout=30)["kv_index"].get("gen-0"):
         assert time.monotonic() < deadline, "the router never saw gen-0's cached blocks"
         time.sleep(0.1)
     (tokens2, last2), = asyncio.run(_generate_all(cl.port, [short_tail], 6))

@@ -56,7 +56,8 @@ CTX, GEN, ROUTER = "pdserve-ctx-0", "pdserve-gen-0", "pdserve-router"
 # Series that only a fault (or a caller not wired yet) records: a dashboard query may name them
 # although Prometheus has never seen them (Ray exports a counter from its first increment).
 ONLY_ON_FAULTS = frozenset({"ray_pdserve_kv_leases_expired_total", "ray_pdserve_router_retries_total",
-                            "ray_pdserve_router_kv_paths_total"})
+                            "ray_pdserve_router_kv_paths_total", "ray_pdserve_unexpected_recomputes_total"})
+SHARED = list(range(200, 208))  # two blocks every prompt starts with, so the prefix counters move
 GAUGE_WAIT_S = 30.0
 
 
@@ -83,14 +84,18 @@ def loaded(clusters):
 
     cl = clusters(engine=ENGINE, generation_engine=dict(capacity_scheduler_policy="MAX_UTILIZATION",
                                                         num_kv_blocks=GEN_BLOCKS))
-    results = U.burst(cl, "prom", U.prompts(NUM_REQUESTS, seed=1), MAX_TOKENS)
+    # One request first, so the shared blocks are cached (and in the router's index) before the
+    # burst: its requests are predicted to reuse them.
+    warm = U.burst(cl, "prom-warm", [SHARED + [7, 8, 9]], MAX_TOKENS)
+    results = warm + U.burst(cl, "prom", [SHARED + p for p in U.prompts(NUM_REQUESTS, seed=1)], MAX_TOKENS)
     load_end = time.monotonic()
     assert all(r.code is None and r.last is not None for r in results), \
         [(r.request_id, r.code, r.details) for r in results if r.code is not None]
     status = U.wait_drained(cl)
     workers = {w.worker_id: w for w in status.workers}
     assert workers["gen-0"].pauses > 0, "the generation pool was sized to force pauses"
-    assert dict(workers["ctx-0"].transfers.outcomes) == {"SENT": NUM_REQUESTS}
+    assert dict(workers["ctx-0"].transfers.outcomes) == {"SENT": NUM_REQUESTS + 1}
+    assert status.totals.prefix.predicted_tokens > 0 and status.totals.prefix.reused_tokens > 0
     return cl, status, load_end
 
 
@@ -212,6 +217,12 @@ def _expected(status) -> dict[str, dict[tuple[str, ...], float]]:
             (CTX,): float(ctx.total_kv_blocks), (GEN,): float(GEN_BLOCKS)},
         "sum by (worker) (ray_pdserve_kv_blocks_capacity)": {
             (CTX,): float(ctx.total_kv_blocks), (GEN,): float(GEN_BLOCKS)},
+        "sum by (worker) (ray_pdserve_router_prefix_predictions_total)": {
+            (ROUTER,): float(totals.prefix.requests)},
+        "sum by (worker) (ray_pdserve_router_prefix_predicted_tokens_total)": {
+            (ROUTER,): float(totals.prefix.predicted_tokens)},
+        "sum by (worker) (ray_pdserve_router_prefix_reused_tokens_total)": {
+            (ROUTER,): float(totals.prefix.reused_tokens)},
         "sum by (worker) (ray_pdserve_router_queue_depth)": {(ROUTER,): 0.0},
         "sum by (worker) (ray_pdserve_router_in_flight)": {(ROUTER,): 0.0},
     }

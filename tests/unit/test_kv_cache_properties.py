@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdserve.scheduler.kv_cache import KVCacheManager, KVCacheOutOfBlocksError
+from pdserve.scheduler.kv_events import BlocksRemoved, BlocksStored
 from pdserve.scheduler.request import LlmRequest
 
 # Three prompt families so that prefixes are shared often.
@@ -28,6 +29,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         self.live: dict[int, LlmRequest] = {}
         self.next_id = 0
+        self.replayed: dict[bytes, bytes | None] = {}  # key -> parent, rebuilt from KV events
 
     def _pick(self, index: int) -> int:
         ids = sorted(self.live)
@@ -153,6 +155,44 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert m._tree.is_cached(blk)
         assert stats.used == len(holders)
         m.check_invariants()
+
+    @invariant()
+    def kv_events_replay_to_the_cache(self) -> None:
+        """The KV events, replayed in order, rebuild exactly the cached set, and every event is
+        consistent with the set before it (a store extends a held key or the root, a removal
+        names held keys); a snapshot gives the same set, parents first."""
+        if self.m.kv_events is None:
+            return
+        events, overflowed = self.m.kv_events.drain()
+        assert not overflowed
+        have = self.replayed
+        for event in events:
+            if isinstance(event, BlocksStored):
+                parent = event.parent
+                assert parent is None or parent in have
+                for key in event.keys:
+                    assert key not in have
+                    have[key] = parent
+                    parent = key
+            elif isinstance(event, BlocksRemoved):
+                for key in event.keys:
+                    assert key in have
+                for key in event.keys:
+                    del have[key]
+                # eviction takes whole subtrees: nothing left points at a removed key
+                removed = set(event.keys)
+                assert not any(p in removed for p in have.values())
+            else:
+                have.clear()
+        seen: dict[bytes, bytes | None] = {}
+        for stored in self.m.kv_snapshot():
+            parent = stored.parent
+            assert parent is None or parent in seen  # parents before children
+            for key in stored.keys:
+                seen[key] = parent
+                parent = key
+        assert seen == have
+        assert len(have) == self.m.get_num_cached_blocks()
 
     def teardown(self) -> None:
         if not hasattr(self, "m"):

@@ -1,8 +1,7 @@
-"""Router policies: block hashing, worker selection, conditional disaggregation, retries and
-request validation (reference trtllm-scheduling.md section 7.5, DESIGN.md "Router policies")."""
+"""Router policies: prompt block keys, worker selection (kv-aware on the prefix index's
+matches), conditional disaggregation, retries and request validation (reference trtllm-scheduling.md section 7.5, DESIGN.md "Router policies")."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -11,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.cluster.policies import (
-    CONTEXT_POLICY_NAMES,
+    ROUTING_MODES,
     DisaggregationMode,
     GenerationLoadPolicy,
-    KvCacheAwarePolicy,
+    KvAwarePolicy,
+    KvAwareWeights,
     LeastLoadedPolicy,
     NoWorkerAvailable,
     PrefillRoute,
@@ -23,15 +23,16 @@ from pdserve.cluster.policies import (
     RoundRobinPolicy,
     WorkerLoad,
     WorkerRole,
-    block_hashes,
     blocks_needed_for_prompt,
-    chain_block_hash,
     decide_prefill,
     make_policy,
     matched_tokens,
     needs_remote_prefill,
     plan_retry,
 )
+from pdserve.scheduler.kv_cache import KVCacheManager
+from pdserve.scheduler.radix_tree import chain_block_keys, lora_seed, prompt_block_keys
+from pdserve.scheduler.request import LlmRequest
 from pdserve.cluster.validation import (
     GenerateSpec,
     ValidationError,
@@ -57,26 +58,38 @@ def prompt(n: int, tpb: int = TPB, offset: int = 0) -> PromptInfo:
     return PromptInfo.from_tokens([offset + i for i in range(n)], tpb)
 
 
-# ---- hashing ------------------------------------------------------------------------------------
+# ---- prompt block keys --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, expected", [(0, 0), (1, 0), (4, 0), (5, 1), (8, 1), (9, 2), (13, 3)])
-def test_hashes_cover_full_blocks_of_all_but_the_last_token(n, expected):
-    assert len(block_hashes(list(range(n)), TPB)) == expected
+def test_keys_cover_full_blocks_of_all_but_the_last_token(n, expected):
+    assert len(prompt_block_keys(list(range(n)), TPB)) == expected
+    assert len(prompt(n).block_keys) == expected
 
 
-def test_hashes_are_chained_and_stable():
+def test_keys_are_chained_and_stable():
     tokens = list(range(100, 113))
-    hashes = block_hashes(tokens, TPB)
-    assert hashes[0] == chain_block_hash(None, tokens[0:4])
-    assert hashes[1] == chain_block_hash(hashes[0], tokens[4:8])
-    # Same block content at another position hashes differently (the chain carries the prefix).
-    assert chain_block_hash(hashes[0], tokens[0:4]) != hashes[0]
+    keys = prompt_block_keys(tokens, TPB)
+    assert keys == chain_block_keys(tokens, TPB, 3, prev=lora_seed(None))
     # Stable across interpreter runs (Python's hash() is randomized per process).
-    code = "from pdserve.cluster.policies import block_hashes; print(block_hashes(list(range(100, 113)), 4))"
+    code = ("from pdserve.scheduler.radix_tree import prompt_block_keys; "
+            "print([k.hex() for k in prompt_block_keys(list(range(100, 113)), 4)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"PYTHONHASHSEED": "12345"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(hashes)
+    assert out.stdout.strip() == str([k.hex() for k in keys])
+
+
+def test_the_router_keys_are_the_keys_a_worker_caches_under():
+    """The one block hash: what the router computes for a prompt is what the worker's radix
+    tree reports in its KV events for the same prompt."""
+    kv = KVCacheManager(32, TPB, enable_block_reuse=True)
+    tokens = list(range(50, 67))  # 17 tokens: 4 full blocks over the first 16
+    request = LlmRequest(1, tokens, 4)
+    kv.add_sequence(request)
+    kv.store_context_blocks(request)
+    events, _ = kv.kv_events.drain()
+    stored = [key for e in events for key in e.keys]
+    assert stored == prompt_block_keys(tokens, TPB) and len(stored) == 4
 
 
 @settings(max_examples=60, deadline=None)
@@ -84,9 +97,9 @@ def test_hashes_are_chained_and_stable():
        st.lists(st.integers(0, 2**32 - 1), max_size=20),
        st.lists(st.integers(0, 2**32 - 1), max_size=20),
        st.integers(1, 6))
-def test_equal_prefixes_give_equal_leading_hashes(prefix, tail_a, tail_b, tpb):
-    a = block_hashes(prefix + tail_a, tpb)
-    b = block_hashes(prefix + tail_b, tpb)
+def test_equal_prefixes_give_equal_leading_keys(prefix, tail_a, tail_b, tpb):
+    a = prompt_block_keys(prefix + tail_a, tpb)
+    b = prompt_block_keys(prefix + tail_b, tpb)
     shared = (len(prefix) - 1) // tpb  # blocks lying wholly inside the prefix, minus the last token
     assert a[:shared] == b[:shared]
     first_diff = next((i for i, (x, y) in enumerate(zip(prefix + tail_a, prefix + tail_b)) if x != y), None)
@@ -98,16 +111,14 @@ def test_equal_prefixes_give_equal_leading_hashes(prefix, tail_a, tail_b, tpb):
 
 def test_bad_tokens_per_block_is_rejected():
     with pytest.raises(ValueError, match="tokens_per_block"):
-        block_hashes([1, 2, 3], 0)
+        prompt_block_keys([1, 2, 3], 0)
 
 
-def test_matched_tokens_is_the_leading_run_only():
-    p = prompt(17)  # 4 hashes
-    h = p.block_hashes
-    assert matched_tokens(ctx("a", cached_block_hashes=frozenset(h[:3])), p) == 12
-    # A hole in the run stops the match even if later blocks are cached.
-    assert matched_tokens(ctx("a", cached_block_hashes=frozenset({h[0], h[2], h[3]})), p) == 4
-    assert matched_tokens(ctx("a", cached_block_hashes=frozenset(h[1:])), p) == 0
+def test_matched_tokens_come_from_the_index_matches():
+    p = prompt(17).with_matches({"a": 3, "b": 1})
+    assert matched_tokens(ctx("a"), p) == 12
+    assert matched_tokens(ctx("b"), p) == 4
+    assert matched_tokens(ctx("c"), p) == 0
 
 
 def test_blocks_needed_counts_the_first_generated_token():
@@ -190,30 +201,38 @@ def test_with_dispatched_moves_load():
     assert pick(ll, ws) == "b"
 
 
-# ---- kv cache aware -----------------------------------------------------------------------------
+# ---- kv-aware -----------------------------------------------------------------------------------
 
-def test_kv_cache_aware_score_formula():
-    p = prompt(17)  # 4 blocks of 4 tokens
-    h = p.block_hashes
-    a = ctx("a", cached_block_hashes=frozenset(h[:2]), active_requests=0, max_batch_size=64)
-    b = ctx("b", cached_block_hashes=frozenset(h), active_requests=32, max_batch_size=64)
-    ranked = KvCacheAwarePolicy().rank([a, b], p)
-    scores = {s.worker_id: s.score for s in ranked}
-    assert scores["a"] == pytest.approx(8 / 16 - 0 / 64)
-    assert scores["b"] == pytest.approx(16 / 16 - 32 / 64)
+def test_kv_aware_cost_formula():
+    p = prompt(17).with_matches({"a": 2, "b": 4})  # 17 tokens + first token: 5 blocks
+    w = KvAwareWeights(overlap=1.0, decode=0.25)
+    a = ctx("a", queued_prompt_tokens=0, free_kv_blocks=90, total_kv_blocks=100)
+    b = ctx("b", queued_prompt_tokens=12, free_kv_blocks=98, total_kv_blocks=100)
+    policy = KvAwarePolicy(CTX, w)
+    assert policy.cost(a, p) == pytest.approx(1.0 * (5 - 2) + 0 + 0.25 * 10)
+    assert policy.cost(b, p) == pytest.approx(1.0 * (5 - 4) + 3 + 0.25 * 2)
+    ranked = policy.rank([a, b], p)
+    assert [s.worker_id for s in ranked] == ["b", "a"]
     assert {s.worker_id: s.matched_tokens for s in ranked} == {"a": 8, "b": 16}
-    # 0.5 vs 0.5: tie broken by fewer active requests.
-    assert ranked[0].worker_id == "a"
-    b2 = ctx("b", cached_block_hashes=frozenset(h), active_requests=16, max_batch_size=64)
-    assert pick(KvCacheAwarePolicy(), [a, b2], p) == "b"
+    # Weigh the cache hit down and the load wins.
+    assert pick(KvAwarePolicy(CTX, KvAwareWeights(overlap=0.1, decode=0.25)), [a, b], p) == "a"
 
 
-def test_kv_cache_aware_without_full_blocks_uses_load_only():
-    p = prompt(3)
-    ws = [ctx("a", active_requests=3), ctx("b", active_requests=1), ctx("c", active_requests=1)]
-    ranked = KvCacheAwarePolicy().rank(ws, p)
-    assert [s.worker_id for s in ranked] == ["b", "c", "a"]
-    assert not any(math.isnan(s.score) for s in ranked)
+def test_kv_aware_ties_prefer_the_longer_match_then_the_id():
+    p = prompt(9).with_matches({"b": 1})
+    # same cost: a has 1 block less matched but a lighter queue
+    a = ctx("a", queued_prompt_tokens=0)
+    b = ctx("b", queued_prompt_tokens=4)
+    assert [s.worker_id for s in KvAwarePolicy().rank([a, b], p)] == ["b", "a"]
+    assert [s.worker_id for s in KvAwarePolicy().rank([ctx("y"), ctx("x")], prompt(9))] == ["x", "y"]
+
+
+def test_kv_aware_generation_worker_without_room_for_the_uncached_part_ranks_last():
+    p = prompt(40).with_matches({"holds": 8})  # 11 blocks needed, 8 cached on "holds"
+    ws = [gen("holds", free_kv_blocks=3, total_kv_blocks=100), gen("empty", free_kv_blocks=10, total_kv_blocks=100)]
+    ranked = KvAwarePolicy(GEN).rank(ws, p)
+    assert [s.worker_id for s in ranked] == ["holds", "empty"]  # 3 free blocks are enough for it
+    assert [s.worker_id for s in KvAwarePolicy(GEN).rank(ws, p.with_matches({}))] == ["empty", "holds"]
 
 
 # ---- generation ---------------------------------------------------------------------------------
@@ -236,24 +255,25 @@ def test_generation_worker_without_room_for_the_prompt_ranks_last():
 
 
 def test_generation_selection_reports_matched_prefix():
-    p = prompt(17)
-    s = GenerationLoadPolicy().select([gen("g", cached_block_hashes=frozenset(p.block_hashes[:1]))], p)
+    p = prompt(17).with_matches({"g": 1})
+    s = GenerationLoadPolicy().select([gen("g")], p)
     assert s is not None and s.matched_tokens == 4
 
 
 # ---- factory ------------------------------------------------------------------------------------
 
 def test_make_policy():
-    assert isinstance(make_policy("round_robin"), RoundRobinPolicy)
-    assert isinstance(make_policy("least_loaded"), LeastLoadedPolicy)
-    assert isinstance(make_policy("kv_cache_aware"), KvCacheAwarePolicy)
-    assert isinstance(make_policy("least_loaded", GEN), GenerationLoadPolicy)
-    assert make_policy("round_robin", GEN).role == GEN
-    assert make_policy("kv_cache_aware", GEN).role == GEN
-    assert {make_policy(n).name for n in CONTEXT_POLICY_NAMES} == set(CONTEXT_POLICY_NAMES)
+    assert isinstance(make_policy("round-robin"), RoundRobinPolicy)
+    assert isinstance(make_policy("round_robin"), RoundRobinPolicy)  # the config file's spelling
+    assert isinstance(make_policy("least-loaded"), LeastLoadedPolicy)
+    assert isinstance(make_policy("kv-aware"), KvAwarePolicy)
+    assert isinstance(make_policy("least-loaded", GEN), GenerationLoadPolicy)
+    assert isinstance(make_policy("round-robin", GEN), GenerationLoadPolicy)
+    assert make_policy("kv-aware", GEN).role == GEN
+    assert {make_policy(n).name for n in ROUTING_MODES} == set(ROUTING_MODES)
 
 
-@pytest.mark.parametrize("bad", ["", "load_balance", "RoundRobin", "random"])
+@pytest.mark.parametrize("bad", ["", "load_balance", "RoundRobin", "random", "kv_cache_aware"])
 def test_make_policy_rejects_unknown_names(bad):
     with pytest.raises(ValueError, match=repr(bad)):
         make_policy(bad)

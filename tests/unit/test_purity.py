@@ -16,6 +16,7 @@ PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
               ROOT / "transport" / "sessions.py", ROOT / "transport" / "session_sides.py",
               ROOT / "transport" / "requests",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
+              ROOT / "cluster" / "prefix_index.py",
               ROOT / "cluster" / "openai_api.py", ROOT / "cluster" / "text_stream.py",
               ROOT / "proto" / "stubs.py"]
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.scheduler import ContextPhaseParams, LlmRequestType
+from pdserve.scheduler.kv_events import AllCleared, BlocksRemoved, BlocksStored
 from pdserve.transport import requests as R
 
 ints = st.integers(0, 2**40)
@@ -53,12 +54,18 @@ statuses = st.builds(
     tokens_per_block=st.integers(1, 64), num_active=st.integers(0, 99), queue_depth=st.integers(0, 99),
     requests_by_state=st.dictionaries(text, st.integers(0, 99), max_size=3),
     free_blocks=st.integers(0, 9999), total_blocks=st.integers(0, 9999), quarantined_blocks=st.integers(0, 9),
-    pauses=st.integers(0, 99), paused_requests=st.integers(0, 9), generated_tokens=ints,
+    pauses=st.integers(0, 99), paused_requests=st.integers(0, 9), queued_prefill_tokens=ints,
+    unexpected_recomputes=st.integers(0, 3), generated_tokens=ints,
     context_tokens=ints, steps=ints,
     transfers=st.builds(R.TransferTotals, sent=st.integers(0, 99), bytes_sent=ints, seconds=finite,
                         outcomes=st.dictionaries(text, st.integers(0, 9), max_size=2)),
     violations=st.lists(text, max_size=2), events=st.lists(events, max_size=3))
+keys = st.lists(st.binary(min_size=16, max_size=16), max_size=5).map(tuple)
+kv_events = st.lists(st.one_of(st.builds(BlocksStored, st.none() | st.binary(min_size=16, max_size=16), keys),
+                               st.builds(BlocksRemoved, keys), st.just(AllCleared())), max_size=6)
 frames = st.one_of(
+    st.builds(R.KvEvents, ints, kv_events), st.builds(R.KvSnapshot, ints, kv_events),
+    st.just(R.KvSnapshotQuery()),
     st.builds(R.Hello, st.integers(0, 9), text), st.builds(R.HelloAck, st.integers(0, 9), text),
     st.builds(R.Refused, text), st.builds(R.Generate, wire_requests), st.builds(R.Abort, ints),
     st.builds(R.StatusQuery, st.integers(-2**40, 2**40)), st.builds(R.Update, updates),
@@ -108,6 +115,9 @@ def test_a_truncated_frame_is_refused_whole_and_waits_in_a_stream(frame, data):
     ([R.FrameType.UPDATE, 1, R.UpdateKind.CONTEXT_DONE, [5], None, None, 0, None, None], "context_phase_params"),
     ([R.FrameType.UPDATE, 1, 42, [], None, None, 0, None, None], "unknown UpdateKind"),
     ([R.FrameType.HEARTBEAT, {"worker_id": "w"}], "status"),
+    ([R.FrameType.KV_EVENTS, 1, [[9]]], "unknown event"),
+    ([R.FrameType.KV_EVENTS, 1, [[1, None, ["k"]]]], "stored.keys"),
+    ([R.FrameType.KV_SNAPSHOT_QUERY, 1], "kv snapshot query"),
 ])
 def test_a_frame_that_breaks_the_protocol_is_refused_by_name(body, what):
     with pytest.raises(R.ProtocolError, match=what):

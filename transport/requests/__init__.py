@@ -14,6 +14,8 @@ then
 
   router -> worker  Generate(WireRequest) | Abort(request_id) | StatusQuery(query_id)
   worker -> router  Update(WireUpdate) | StatusReply(query_id, WorkerStatus) | Heartbeat(WorkerStatus)
+                    | KvEvents(seq, events) | KvSnapshot(seq, events)
+  router -> worker  KvSnapshotQuery()    (after connecting, and after a gap in the seqs)
 
 An update says what happened with an explicit ``UpdateKind``: tokens (more to come), the
 context phase done (its ``ContextPhaseParams`` lease the KV to a generation worker), finished
@@ -36,6 +38,9 @@ from .types import (
     Heartbeat,
     Hello,
     HelloAck,
+    KvEvents,
+    KvSnapshot,
+    KvSnapshotQuery,
     ProtocolError,
     Refused,
     StatusQuery,
@@ -54,7 +59,8 @@ from .types import (
 
 __all__ = [
     "FINISH_REASONS", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "ErrorKind", "Frame",
-    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "ProtocolError",
+    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvEvents",
+    "KvSnapshot", "KvSnapshotQuery", "ProtocolError",
     "Refused", "StatusQuery", "StatusReply", "TransferTotals", "Update", "UpdateInfo",
     "UpdateKind", "WireRequest", "WireSampling", "WireUpdate", "WorkerEvent", "WorkerInfo",
     "WorkerStatus", "check_hello", "decode_frame", "encode_frame",

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import msgpack
 
+from pdserve.scheduler.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequestType
 
 from . import types as T
@@ -23,6 +24,9 @@ from .types import (
     Heartbeat,
     Hello,
     HelloAck,
+    KvEvents,
+    KvSnapshot,
+    KvSnapshotQuery,
     ProtocolError,
     Refused,
     StatusQuery,
@@ -81,6 +85,24 @@ def _status(s: WorkerStatus) -> dict[str, Any]:
 _EVENT_FIELDS = dataclasses.fields(WorkerEvent)
 
 
+_STORED, _REMOVED, _CLEARED = 1, 2, 3
+
+
+def _events(events: list[KVEvent]) -> list:
+    out = []
+    for e in events:
+        t = type(e)
+        if t is BlocksStored:
+            out.append([_STORED, e.parent, list(e.keys)])
+        elif t is BlocksRemoved:
+            out.append([_REMOVED, list(e.keys)])
+        elif t is AllCleared:
+            out.append([_CLEARED])
+        else:
+            raise TypeError(f"not a KV event: {e!r:.200}")
+    return out
+
+
 def encode_frame(frame: Frame) -> bytes:
     """One frame as bytes (msgpack array: [FrameType, fields...])."""
     t = type(frame)
@@ -92,8 +114,14 @@ def encode_frame(frame: Frame) -> bytes:
         body = [FrameType.HEARTBEAT, _status(frame.status)]
     elif t is StatusReply:
         body = [FrameType.STATUS_REPLY, frame.query_id, _status(frame.status)]
+    elif t is KvEvents:
+        body = [FrameType.KV_EVENTS, frame.seq, _events(frame.events)]
     elif t is Abort:
         body = [FrameType.ABORT, frame.request_id]
+    elif t is KvSnapshot:
+        body = [FrameType.KV_SNAPSHOT, frame.seq, _events(frame.events)]
+    elif t is KvSnapshotQuery:
+        body = [FrameType.KV_SNAPSHOT_QUERY]
     elif t is StatusQuery:
         body = [FrameType.STATUS_QUERY, frame.query_id]
     elif t is Hello:
@@ -231,6 +259,29 @@ def _status_from(d: Any) -> WorkerStatus:
     return WorkerStatus(**values)
 
 
+def _keys(v: Any, what: str) -> tuple[bytes, ...]:
+    _check(type(v) is list and all(type(k) is bytes for k in v), f"{what}: expected a list of keys")
+    return tuple(v)
+
+
+def _events_from(v: Any, what: str) -> list[KVEvent]:
+    _check(type(v) is list, f"{what}: expected a list of events")
+    out: list[KVEvent] = []
+    for e in v:
+        _check(type(e) is list and len(e) >= 1, f"{what}: an event must be a non-empty array")
+        kind = e[0]
+        if kind == _STORED and len(e) == 3:
+            _check(e[1] is None or type(e[1]) is bytes, f"{what}: stored.parent: expected a key or nil")
+            out.append(BlocksStored(e[1], _keys(e[2], f"{what}: stored.keys")))
+        elif kind == _REMOVED and len(e) == 2:
+            out.append(BlocksRemoved(_keys(e[1], f"{what}: removed.keys")))
+        elif kind == _CLEARED and len(e) == 1:
+            out.append(AllCleared())
+        else:
+            raise ProtocolError(f"{what}: unknown event {e!r:.100}")
+    return out
+
+
 def _decode(body: Any) -> Frame:
     _check(type(body) is list and len(body) >= 1, "a frame must be a non-empty array")
     kind = _enum(FrameType, body[0], "frame type")
@@ -244,6 +295,15 @@ def _decode(body: Any) -> Frame:
     if kind == FrameType.STATUS_REPLY:
         f = _fields(rest, 2, "status reply")
         return StatusReply(_int(f[0], "status reply.query_id"), _status_from(f[1]))
+    if kind == FrameType.KV_EVENTS:
+        f = _fields(rest, 2, "kv events")
+        return KvEvents(_int(f[0], "kv events.seq"), _events_from(f[1], "kv events"))
+    if kind == FrameType.KV_SNAPSHOT:
+        f = _fields(rest, 2, "kv snapshot")
+        return KvSnapshot(_int(f[0], "kv snapshot.seq"), _events_from(f[1], "kv snapshot"))
+    if kind == FrameType.KV_SNAPSHOT_QUERY:
+        _fields(rest, 0, "kv snapshot query")
+        return KvSnapshotQuery()
     if kind == FrameType.ABORT:
         return Abort(_int(_fields(rest, 1, "abort")[0], "abort.request_id"))
     if kind == FrameType.STATUS_QUERY:

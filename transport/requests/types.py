@@ -6,9 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
+from pdserve.scheduler.kv_events import KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequestType
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot)
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -236,6 +237,10 @@ class WorkerStatus:
     quarantined_blocks: int
     pauses: int
     paused_requests: int
+    queued_prefill_tokens: int  # prompt tokens admitted and not yet prefilled
+    # Generation-only requests this worker prefilled without a pause forcing it (their KV was
+    # meant to arrive by transfer): always 0 unless something is wrong.
+    unexpected_recomputes: int
     generated_tokens: int
     context_tokens: int
     steps: int
@@ -295,7 +300,31 @@ class Heartbeat:
     status: WorkerStatus
 
 
-Frame = Union[Hello, HelloAck, Refused, Generate, Abort, StatusQuery, Update, StatusReply, Heartbeat]
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """What the worker's prefix cache did since the previous batch (``scheduler/kv_events.py``).
+    ``seq`` numbers the batches of one worker process: each is the previous one's plus 1."""
+
+    seq: int
+    events: list[KVEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class KvSnapshotQuery:
+    """The router asks for the whole cache (after connecting, or after a gap)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvSnapshot:
+    """Every cached block as ``BlocksStored`` events, parents before children; the next
+    ``KvEvents`` batch is numbered ``seq``."""
+
+    seq: int
+    events: list[KVEvent]
+
+
+Frame = Union[Hello, HelloAck, Refused, Generate, Abort, StatusQuery, Update, StatusReply, Heartbeat,
+              KvEvents, KvSnapshotQuery, KvSnapshot]
 
 
 class FrameType(enum.IntEnum):
@@ -308,3 +337,6 @@ class FrameType(enum.IntEnum):
     UPDATE = 7
     STATUS_REPLY = 8
     HEARTBEAT = 9
+    KV_EVENTS = 10
+    KV_SNAPSHOT_QUERY = 11
+    KV_SNAPSHOT = 12
