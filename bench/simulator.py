@@ -10,9 +10,20 @@ reservation, chunk advance). This module only adds time:
 - a step starts when its worker is free and has work; its decisions are made at the start and
   its tokens leave at ``start + cost_model.step_time(batch)``;
 - the router is the real one's logic on a simulated clock: FIFO queue, at most ``max_inflight``
-  requests dispatched, the generation worker picked by ``cluster.policies`` (least loaded), the
-  context worker by the configured policy, ``decide_prefill`` choosing remote or local prefill
-  (local when there is no context worker: the colocated layout);
+  requests dispatched, the generation and context workers picked by the policies of
+  ``spec.routing`` (``cluster.policies.make_policy``, the router's own classes) on
+  ``PromptInfo.from_tokens(prompt).with_matches(index.match(keys))``, ``decide_prefill``
+  choosing remote or local prefill on the generation worker's matched tokens (local when there
+  is no context worker: the colocated layout);
+- the router's prefix index (``cluster.prefix_index.PrefixIndex``) is fed as the live one is:
+  after each step (and each release of a transferred request's blocks) a worker drains its KV
+  event log and the batch, numbered per worker, reaches the index one hop later (an overflowed
+  log sends ``kv_snapshot()`` instead). Routing "oracle" uses the kv-aware policy on the exact
+  ``cached_leading_blocks`` of every worker at decision time instead (no event delay). Each
+  request records the prefill worker's predicted match (``RequestRecord.predicted_tokens``, at
+  decision time) and what that worker actually reused (``reused_tokens``: the prefill attempt's
+  ``prepopulated_prompt_len``), as the live router reports them, hence the summary's prefix hit
+  rate and prediction accuracy (``metrics.summarize``, ``SimResult.routing_summary``);
 - a hand-off (context-only request finished) reaches the chosen generation worker one hop after
   the first token went out; its reservation sends a KV request, the blocks the generation side
   does not already cache cross the link (serialised per context/generation pair) and the
@@ -38,10 +49,11 @@ from typing import Callable, Sequence
 
 from pdserve.bench.cost_model import CostModel
 from pdserve.bench.metrics import RequestRecord, Slo, summarize
-from pdserve.bench.simulator_spec import ClusterSpec
+from pdserve.bench.simulator_spec import ORACLE, ClusterSpec
 from pdserve.bench.simulator_workers import Decision, SimWorker, step_shape
 from pdserve.bench.workload import WorkItem
 from pdserve.cluster import policies as P
+from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestType
 from pdserve.scheduler.sim_worker import StepRecord, default_token_fn
 
@@ -55,6 +67,7 @@ class _Attempt:
     request: LlmRequest
     emitted: int = 0  # generated tokens the client already has
     hand_off_to: SimWorker | None = None  # context-only: the generation worker picked at dispatch
+    prefill: bool = False  # the attempt that prefills the prompt (context-only, or local)
 
 
 @dataclass(slots=True)
@@ -67,6 +80,25 @@ class SimResult:
     decisions: dict[str, list[Decision]] = field(default_factory=dict)
     arrival_logs: dict[str, list[list[tuple[int, list[int], int, LlmRequestType]]]] = field(default_factory=dict)
     events: int = 0
+    index: PrefixIndex | None = None  # the router's prefix index at the end of the run
+    index_resyncs: int = 0  # gaps the index saw (each answered by a snapshot); 0 unless a bug
+    kv_snapshots: int = 0  # snapshots the workers sent (an overflowed event log, or a resync)
+
+    def routing_summary(self) -> dict:
+        """Over the completed requests: prefix hit rate (prompt tokens the prefill worker reused
+        / prompt tokens) and prediction accuracy (share of requests whose predicted match on the
+        prefill worker equals what it reused); the same figures as ``summary()["prefix"]``."""
+        done = [r for r in self.records if r.ok and r.reused_tokens >= 0]
+        prompt = sum(r.prompt_len for r in done)
+        reused = sum(r.reused_tokens for r in done)
+        return {"mode": self.spec.routing, "requests": len(done), "prompt_tokens": prompt,
+                "reused_tokens": reused, "predicted_tokens": sum(r.predicted_tokens for r in done),
+                "prefix_hit_rate": reused / prompt if prompt else math.nan,
+                "prediction_accuracy": (sum(r.predicted_tokens == r.reused_tokens for r in done)
+                                        / len(done) if done else math.nan),
+                "over_predicted": sum(r.predicted_tokens > r.reused_tokens for r in done),
+                "under_predicted": sum(r.predicted_tokens < r.reused_tokens for r in done),
+                "index_resyncs": self.index_resyncs, "kv_snapshots": self.kv_snapshots}
 
     def summary(self, slo: Slo) -> dict:
         out = summarize(self.records, slo)
@@ -74,6 +106,7 @@ class SimResult:
         out["gpus"] = self.gpus
         out["goodput_rps_per_gpu"] = out["goodput_rps"] / self.gpus
         out["workers"] = self.workers
+        out["routing"] = self.routing_summary()
         return out
 
 
@@ -81,7 +114,7 @@ class SimulationStalled(RuntimeError):
     pass
 
 
-_ARRIVE, _DELIVER, _STEP_END, _KICK, _LANDED, _RELEASE, _DONE = range(7)
+_ARRIVE, _DELIVER, _STEP_END, _KICK, _LANDED, _RELEASE, _DONE, _KV_EVENTS, _KV_RESYNC = range(9)
 
 
 class ClusterSimulator:
@@ -104,14 +137,25 @@ class ClusterSimulator:
                          record_decisions=self.record_decisions, token_fn=self.token_fn)
                for i in range(spec.num_generation_workers)]
         workers = ctx + gen
-        ctx_policy = P.make_policy(spec.context_policy, P.WorkerRole.CONTEXT)
-        gen_policy = P.make_policy("least_loaded", P.WorkerRole.GENERATION)
+        by_id = {w.worker_id: w for w in workers}
+        # The router's policies: the oracle is kv-aware on exact matches.
+        oracle = spec.routing == ORACLE
+        mode = "kv-aware" if oracle else spec.routing
+        weights = P.KvAwareWeights(spec.kv_overlap_weight, spec.kv_decode_weight)
+        ctx_policy = P.make_policy(mode, P.WorkerRole.CONTEXT, weights)
+        gen_policy = P.make_policy(mode, P.WorkerRole.GENERATION, weights)
+        tokens_per_block = gen[0].spec.tokens_per_block  # the router's: the index's block keys
         max_inflight = spec.max_inflight or sum(w.spec.max_batch_size for w in gen)
         hop = spec.latency.hop_s
         control = spec.latency.kv_control_s
         block_bytes = {w.worker_id: self.cost.kv_block_bytes(w.spec.tokens_per_block) for w in workers}
         pool_tokens = min(w.spec.num_kv_blocks * w.spec.tokens_per_block for w in workers)
-        hashes_needed = spec.context_policy == "kv_cache_aware"
+        # The router's prefix index, fed by the workers' KV events one hop after each step.
+        prefix_index = PrefixIndex()
+        for w in workers:
+            prefix_index.add_worker(w.worker_id)
+        kv_seq = {w.worker_id: 0 for w in workers}  # each worker's next batch number
+        resyncs = snapshots = 0
 
         records = [RequestRecord(w.index, w.arrival_s, len(w.prompt), w.max_tokens) for w in work]
         items = {w.index: w for w in work}
@@ -143,6 +187,44 @@ class ClusterSimulator:
             attempts[request.request_id] = attempt
             return attempt
 
+        def publish(t: float, worker: SimWorker) -> None:
+            """The worker drains its KV event log (as after each step); the batch reaches the
+            index one hop later. An overflowed log sends the whole cache as a snapshot, which
+            names the next batch's number and takes none itself (workers/channel_server.py)."""
+            nonlocal snapshots
+            log = worker.kv.kv_events
+            if log is None:
+                return
+            events, overflowed = log.drain()
+            wid = worker.worker_id
+            if overflowed:
+                snapshots += 1
+                push(t + hop, _KV_EVENTS, wid, kv_seq[wid], worker.kv.kv_snapshot(), True)
+            elif events:
+                push(t + hop, _KV_EVENTS, wid, kv_seq[wid], events, False)
+                kv_seq[wid] += 1
+
+        def index_receive(t: float, wid: str, seq: int, events: list, snapshot: bool) -> None:
+            nonlocal resyncs
+            if snapshot:
+                ok = prefix_index.apply_snapshot(wid, seq - 1, events)
+            elif prefix_index.needs_snapshot(wid):
+                return  # the snapshot asked for is on its way
+            else:
+                ok = prefix_index.apply(wid, seq, events)
+            if not ok:  # as the router does: ask the worker for a snapshot (one hop each way)
+                resyncs += 1
+                prefix_index.expect_snapshot(wid)
+                push(t + hop, _KV_RESYNC, by_id[wid])
+
+        def matches(info: P.PromptInfo) -> dict[str, int]:
+            if not info.block_keys:
+                return {}
+            if oracle:
+                exact = ((w.worker_id, w.kv.cached_leading_blocks(info.block_keys)) for w in workers)
+                return {wid: n for wid, n in exact if n}
+            return prefix_index.match(info.block_keys)
+
         def send(t: float, attempt: _Attempt) -> None:
             attempt.worker.incoming += 1
             attempt.worker.incoming_tokens += attempt.request.prompt_len
@@ -157,8 +239,8 @@ class ClusterSimulator:
                 if len(item.prompt) + item.max_tokens > pool_tokens:
                     rec.error = "prompt + max_tokens exceed a worker's KV pool"
                     continue
-                info = (P.PromptInfo.from_tokens(item.prompt, gen[0].spec.tokens_per_block)
-                        if hashes_needed else P.PromptInfo(len(item.prompt), gen[0].spec.tokens_per_block))
+                blank = P.PromptInfo.from_tokens(item.prompt, tokens_per_block)
+                info = blank.with_matches(matches(blank))
                 loads = [w.load() for w in workers]
                 g = gen_policy.select(loads, info)
                 c = ctx_policy.select(loads, info) if ctx else None
@@ -176,7 +258,9 @@ class ClusterSimulator:
                     rec.local_prefill = True
                     attempt = new_attempt(index, g_worker, item.max_tokens,
                                           LlmRequestType.CONTEXT_AND_GENERATION)
+                attempt.prefill = True
                 rec.worker = attempt.worker.worker_id
+                rec.predicted_tokens = info.matched_blocks.get(rec.worker, 0) * tokens_per_block
                 send(t, attempt)
             sample(t)
 
@@ -193,6 +277,7 @@ class ClusterSimulator:
                 worker.busy_s += d
                 push(t + d, _STEP_END, worker, record)
             else:
+                publish(t, worker)
                 after_step(t, worker, record)
                 if record.paused or record.gen_init:
                     push(t, _KICK, worker)
@@ -207,6 +292,8 @@ class ClusterSimulator:
                 rec = by_index[attempt.index]
                 new = r.get_num_tokens(0) - r.orig_prompt_len - attempt.emitted
                 if new > 0:
+                    if attempt.prefill and attempt.emitted == 0:  # the prefill's token
+                        rec.reused_tokens = r.prepopulated_prompt_len
                     attempt.emitted += new
                     rec.num_tokens += new
                     rec.deltas.append((out_t, new))
@@ -268,6 +355,7 @@ class ClusterSimulator:
             elif kind == _STEP_END:
                 worker, record = args
                 worker.busy = False
+                publish(t, worker)  # before after_step: the index hears of it before the client
                 after_step(t, worker, record)
                 kick(t, worker)
             elif kind == _KICK:
@@ -280,10 +368,20 @@ class ClusterSimulator:
                 worker, rid = args
                 attempts.pop(rid, None)
                 worker.release(rid)
+                if not worker.busy:  # else with the running step's batch, as a worker would
+                    publish(t, worker)
                 kick(t, worker)
             elif kind == _DONE:
                 inflight -= 1
                 dispatch(t)
+            elif kind == _KV_EVENTS:
+                index_receive(t, *args)
+            elif kind == _KV_RESYNC:  # the worker answers: pending events first, then its cache
+                worker = args[0]
+                publish(t, worker)  # (so the snapshot covers every numbered batch)
+                snapshots += 1
+                push(t + hop, _KV_EVENTS, worker.worker_id, kv_seq[worker.worker_id],
+                     worker.kv.kv_snapshot() if worker.kv.kv_events is not None else [], True)
 
         unfinished = [r.index for r in records if r.finish_s is None and not r.error]
         if unfinished:
@@ -297,12 +395,14 @@ class ClusterSimulator:
             "pauses": w.stats.pauses, "context_tokens": w.stats.context_tokens,
             "generated_tokens": w.stats.generated_tokens, "peak_used_blocks": w.stats.peak_used_blocks,
             "num_kv_blocks": w.kv.num_blocks, "reused_blocks": w.kv.num_reused_blocks,
+            "cached_blocks": w.kv.get_num_cached_blocks(), "index_blocks": prefix_index.num_blocks(w.worker_id),
         } for w in workers}
         return SimResult(
             spec, records, stats, series, gpus=spec.num_workers * self.cost.tp,
             decisions={w.worker_id: w.recorder.log for w in workers if w.recorder is not None},
             arrival_logs={w.worker_id: w.arrival_log for w in workers} if self.record_decisions else {},
-            events=events,
+            events=events, index=prefix_index, index_resyncs=resyncs,
+            kv_snapshots=snapshots,
         )
 
 

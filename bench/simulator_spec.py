@@ -1,6 +1,6 @@
 """The simulated cluster's configuration: one worker's engine settings (``WorkerSpec``, which
 also builds its real scheduler and KV cache manager), the message latencies (``Latency``) and
-the layout (``ClusterSpec``). See ``bench/simulator.py``.
+the layout and routing (``ClusterSpec``). See ``bench/simulator.py``.
 """
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pdserve.bench.cost_model import LinkSpec
+from pdserve.cluster.policies import ROUTING_MODES, KvAwareWeights, routing_mode
 from pdserve.scheduler import (
     CapacityScheduler,
     CapacitySchedulerPolicy,
@@ -20,6 +21,26 @@ from pdserve.scheduler import (
 
 
 # ---------------------------------------------------------------------------- configuration
+
+# How the simulated router picks workers: the router's modes (``policies.ROUTING_MODES``, the
+# same policy classes) plus "oracle": kv-aware on the workers' exact caches at decision time
+# instead of the prefix index fed by their KV events (an upper bound for kv-aware).
+ORACLE = "oracle"
+SIM_ROUTING_MODES: tuple[str, ...] = (*ROUTING_MODES, ORACLE)
+CACHE_ROUTING = ("kv-aware", ORACLE)  # the modes that route on the workers' caches
+
+
+def sim_routing_mode(name: str) -> str:
+    """A simulator routing mode, normalised ("round_robin" is "round-robin"); ValueError if
+    unknown."""
+    if name.replace("_", "-") == ORACLE:
+        return ORACLE
+    try:
+        return routing_mode(name)
+    except ValueError:
+        raise ValueError(f"unknown routing mode {name!r}; expected one of "
+                         f"{', '.join(SIM_ROUTING_MODES)}") from None
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
@@ -92,7 +113,9 @@ class ClusterSpec:
     num_generation_workers: int = 1
     context: WorkerSpec = WorkerSpec()
     generation: WorkerSpec = WorkerSpec()
-    context_policy: str = "round_robin"
+    routing: str = "round-robin"  # SIM_ROUTING_MODES
+    kv_overlap_weight: float = KvAwareWeights().overlap  # kv-aware / oracle: policies.KvAwareWeights
+    kv_decode_weight: float = KvAwareWeights().decode
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
     link: LinkSpec = LinkSpec()
     latency: Latency = Latency()
@@ -100,6 +123,17 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1 or self.num_context_workers < 0:
             raise ValueError("a cluster needs >= 1 generation worker and >= 0 context workers")
+        object.__setattr__(self, "routing", sim_routing_mode(self.routing))
+        for name in ("kv_overlap_weight", "kv_decode_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        if self.routing in CACHE_ROUTING:
+            sides = [self.generation] + ([self.context] if self.num_context_workers else [])
+            if not all(w.enable_block_reuse for w in sides):
+                raise ValueError(f"routing {self.routing} needs enable_block_reuse on every worker")
+            if len({w.tokens_per_block for w in sides}) != 1:
+                raise ValueError(f"routing {self.routing}: context and generation workers must "
+                                 "share tokens_per_block (the block keys the index matches)")
 
     @property
     def label(self) -> str:

@@ -28,8 +28,9 @@ from typing import Sequence
 from pdserve.bench.cost_model import GPU_PRESETS, MODELS, CostModel, LinkSpec, ModelShape, min_tp
 from pdserve.bench.metrics import Slo
 from pdserve.bench.simulator import SimResult, simulate
-from pdserve.bench.simulator_spec import ClusterSpec, Latency, WorkerSpec
+from pdserve.bench.simulator_spec import SIM_ROUTING_MODES, ClusterSpec, Latency, WorkerSpec
 from pdserve.bench.workload import WorkItem, WorkloadSpec, build_workload, mean_rate, rescaled, with_poisson_arrivals
+from pdserve.cluster.policies import KvAwareWeights
 
 TRACE_ALIASES = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv",
                  "mooncake": "mooncake_fast25_conversation.jsonl",
@@ -64,9 +65,13 @@ def parse_layout(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def layout_spec(layout: tuple[int, int], worker: WorkerSpec, link: LinkSpec, latency: Latency) -> ClusterSpec:
+def layout_spec(layout: tuple[int, int], worker: WorkerSpec, link: LinkSpec, latency: Latency, *,
+                routing: str = "round-robin", kv_overlap_weight: float = KvAwareWeights().overlap,
+                kv_decode_weight: float = KvAwareWeights().decode) -> ClusterSpec:
     return ClusterSpec(num_context_workers=layout[0], num_generation_workers=layout[1],
-                       context=worker, generation=worker, link=link, latency=latency)
+                       context=worker, generation=worker, link=link, latency=latency,
+                       routing=routing, kv_overlap_weight=kv_overlap_weight,
+                       kv_decode_weight=kv_decode_weight)
 
 
 def gpu_workload(trace: str, model: ModelShape, num_requests: int, start: int = 0, seed: int = 0,
@@ -150,7 +155,7 @@ def search(model_name: str, gpu: str, trace: str, *, layouts: Sequence[str] = DE
            policies: Sequence[str] = POLICIES, num_requests: int = 300, slo: Slo | None = None,
            attainment: float = 0.9, link: LinkSpec = LinkSpec(), latency: Latency = GPU_LATENCY,
            iterations: int = 6, tp: int | None = None, refine: int = 2, arrivals: str = "trace",
-           log=print) -> dict:
+           routing: str = "round-robin", log=print) -> dict:
     model = MODELS[model_name]
     hw = GPU_PRESETS[gpu]
     tp = tp or min_tp(model, hw)
@@ -161,7 +166,7 @@ def search(model_name: str, gpu: str, trace: str, *, layouts: Sequence[str] = DE
     # Every layout under the first policy; the other policies on the best `refine` layouts.
     plan = [(parse_layout(text), policies[0]) for text in layouts]
     for layout, policy in _extend(plan, points, policies, refine):
-        spec = layout_spec(layout, gpu_worker_spec(cost, policy), link, latency)
+        spec = layout_spec(layout, gpu_worker_spec(cost, policy), link, latency, routing=routing)
         t0 = time.perf_counter()
         rate, s, sims = max_rate_under_slo(spec, cost, work, slo, attainment=attainment,
                                            iterations=iterations, arrivals=arrivals)
@@ -175,7 +180,7 @@ def search(model_name: str, gpu: str, trace: str, *, layouts: Sequence[str] = DE
     best = max(points, key=lambda p: p.goodput_per_gpu)
     return {"model": model_name, "gpu": gpu, "tp": tp, "trace": TRACE_ALIASES.get(trace, trace),
             "num_requests": len(work), "trace_rate_rps": mean_rate(work), "slo": asdict(slo),
-            "attainment_target": attainment, "arrivals": arrivals,
+            "attainment_target": attainment, "arrivals": arrivals, "routing": routing,
             "kv_blocks_per_worker": cost.num_kv_blocks(32),
             "link": asdict(link), "latency": asdict(latency),
             "points": [asdict(p) for p in points], "best": asdict(best)}
@@ -233,18 +238,22 @@ def _run(args) -> int:
         work = at_rate(work, args.rate, args.arrivals, args.seed)
     summaries, results = {}, {}
     for layout_text in args.layouts.split(","):
-        spec = layout_spec(parse_layout(layout_text), gpu_worker_spec(cost, args.policy), link, GPU_LATENCY)
+        spec = layout_spec(parse_layout(layout_text), gpu_worker_spec(cost, args.policy), link, GPU_LATENCY,
+                           routing=args.routing, kv_overlap_weight=args.kv_overlap_weight,
+                           kv_decode_weight=args.kv_decode_weight)
         result = simulate(spec, cost, work, seed=args.seed, step_jitter=args.step_jitter)
         summaries[spec.label] = result.summary(slo)
         results[spec.label] = result
     print_table(f"simulated: {args.model} on {args.gpu} (TP{tp}), {len(work)} requests of "
-                f"{TRACE_ALIASES.get(args.trace, args.trace)} at {mean_rate(work):.2f} req/s, {args.policy}",
+                f"{TRACE_ALIASES.get(args.trace, args.trace)} at {mean_rate(work):.2f} req/s, {args.policy}, "
+                f"routing {args.routing}",
                 summaries)
     if args.out_dir:
         _figures(Path(args.out_dir), results, f"simulated {args.model} {args.gpu}")
     if args.json:
         Path(args.json).write_text(json.dumps({"simulate": "run", "model": args.model, "gpu": args.gpu,
-                                               "tp": tp, "trace": args.trace, "summaries": summaries},
+                                               "tp": tp, "trace": args.trace, "routing": args.routing,
+                                               "summaries": summaries},
                                               indent=1, default=str))
     return 0
 
@@ -268,7 +277,7 @@ def _search(args) -> int:
                                       policies=args.policies.split(","), num_requests=args.num_requests,
                                       slo=slo, attainment=args.attainment,
                                       link=LinkSpec(args.link_gbytes_s * 1e9), iterations=args.iterations,
-                                      refine=args.refine, arrivals=args.arrivals))
+                                      refine=args.refine, arrivals=args.arrivals, routing=args.routing))
     print_search(results)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--step-jitter", type=float, default=0.0, help="lognormal sigma on step times")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out-dir", default=None, help="write latency/throughput/queue figures here")
+    run.add_argument("--kv-overlap-weight", type=float, default=KvAwareWeights().overlap,
+                     help="kv-aware / oracle: the cache-hit weight (policies.KvAwareWeights)")
+    run.add_argument("--kv-decode-weight", type=float, default=KvAwareWeights().decode,
+                     help="kv-aware / oracle: the weight of KV blocks in use")
     s = sub.add_parser("search", help="best goodput per GPU over layouts and policies")
     s.add_argument("--models", default="llama-3-8b,llama-3-70b")
     s.add_argument("--gpus", default="H100")
@@ -314,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--slo-tpot-ms", type=float, default=None)
         p.add_argument("--link-gbytes-s", type=float, default=50.0, help="KV link per GPU, GB/s")
         p.add_argument("--json", metavar="FILE")
+        p.add_argument("--routing", default="round-robin", choices=SIM_ROUTING_MODES,
+                       help="how the router picks workers (as pdserve router --routing); oracle: "
+                            "kv-aware on the workers' exact caches, no event delay")
     v = sub.add_parser("validate", help="calibrate to this CPU and compare with the live cluster")
     from pdserve.bench.calibrate import add_arguments
 

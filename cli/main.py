@@ -54,7 +54,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how workers are picked (default round-robin); kv-aware routes on the "
                              "workers' prefix caches, known from their KV events")
     parser.add_argument("--kv-overlap-weight", type=float,
-                        help="kv-aware: the weight of prompt blocks a worker does not cache (default 1.0)")
+                        help="kv-aware: the weight of prompt blocks a worker does not cache (default 4)")
     parser.add_argument("--kv-decode-weight", type=float,
                         help="kv-aware: the weight of KV blocks in use on a worker (default 0.25)")
     parser.add_argument("--max-local-prefill-length", type=int)

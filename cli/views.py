@@ -377,6 +377,9 @@ def violation_lines(status: Any) -> list[Text]:
     for w in status.workers:
         for v in w.invariant_violations:
             out.append(Text(f"violation {w.worker_id}: {v}", style="bold red"))
+        if w.unexpected_recomputes:
+            out.append(Text(f"violation {w.worker_id}: {w.unexpected_recomputes} generation-only "
+                            "request(s) prefilled without a pause", style="bold red"))
     return out
 
 

@@ -15,7 +15,7 @@ class RouterConfig:
     port: int = 50051
     # How workers are picked: round-robin | least-loaded | kv-aware (policies.ROUTING_MODES).
     routing: str = "round-robin"
-    kv_overlap_weight: float = 1.0  # kv-aware: policies.KvAwareWeights
+    kv_overlap_weight: float = 4.0  # kv-aware: policies.KvAwareWeights
     kv_decode_weight: float = 0.25
     max_local_prefill_length: int | None = None  # conditional disaggregation off by default
     max_queue: int = 1024

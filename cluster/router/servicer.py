@@ -106,7 +106,8 @@ def final_response(req: RouterRequest, tokens: list[int], finish_reason: str, te
         ttft_ms=1000 * ((req.first_token or now) - req.received),
         e2e_ms=1000 * (now - req.received), kv_transfer_bytes=req.kv_bytes,
         kv_transfer_ms=1000 * req.kv_seconds, pauses=req.pauses, ctx_worker=req.ctx_worker,
-        gen_worker=req.gen_worker, retries=req.retries, local_prefill=req.local_prefill)
+        gen_worker=req.gen_worker, retries=req.retries, local_prefill=req.local_prefill,
+        prefix_predicted_tokens=req.predicted_tokens, prefix_reused_tokens=req.reused_tokens or 0)
     usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
                      cached_prompt_tokens=req.cached_tokens)
     return pb.GenerateResponse(request_id=req.external_id, token_ids=tokens, text=text,
@@ -136,7 +137,8 @@ def _status_proto(s: WorkerStatus, role, healthy: bool, age: float):
         invariant_violations=s.violations, active_requests=s.num_active,
         max_batch_size=s.max_batch_size, tokens_per_block=s.tokens_per_block,
         generated_tokens=s.generated_tokens, context_tokens=s.context_tokens,
-        paused_requests=s.paused_requests, status_age_s=age, capacity_policy=s.capacity_policy)
+        paused_requests=s.paused_requests, status_age_s=age, capacity_policy=s.capacity_policy,
+        unexpected_recomputes=s.unexpected_recomputes)
 
 
 _EVENT_KINDS = {"transfer": pb.ClusterEvent.TRANSFER, "pause": pb.ClusterEvent.PAUSE,

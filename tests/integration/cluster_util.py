@@ -95,7 +95,7 @@ def status(port: int) -> pb.ClusterStatus:
 def wait_drained(cl: Cluster, timeout_s: float = 60.0) -> pb.ClusterStatus:
     """Waits (bounded) until every worker's free blocks equal its total, no request is in any
     state anywhere, nothing is quarantined and the router holds no request; then asserts there
-    is no invariant violation. Returns the final status."""
+    is no invariant violation and no unexpected recompute. Returns the final status."""
     deadline = time.monotonic() + timeout_s
     while True:
         st = status(cl.port)
@@ -109,6 +109,8 @@ def wait_drained(cl: Cluster, timeout_s: float = 60.0) -> pb.ClusterStatus:
         if drained:
             for w in st.workers:
                 assert list(w.invariant_violations) == [], (w.worker_id, w.invariant_violations)
+                # No generation worker prefilled a request whose KV was meant to arrive by transfer.
+                assert w.unexpected_recomputes == 0, (w.worker_id, w.unexpected_recomputes)
             assert router["violations"] == [], router["violations"]
             return st
         if time.monotonic() > deadline:

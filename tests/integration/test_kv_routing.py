@@ -90,6 +90,10 @@ def test_kv_aware_routing_predicts_reuse_exactly_under_eviction(clusters, model_
     assert prefix["requests"] == len(order)
     assert prefix["exact"] >= 0.95 * len(order), prefix
     assert prefix["reused_tokens"] > 0, prefix  # later turns met their earlier turns' blocks
+    # Each response carries the same figures (Timings), as bench serve reads them.
+    timings = [r.last.timings for r in results.values()]
+    assert sum(t.prefix_predicted_tokens for t in timings) == prefix["predicted_tokens"]
+    assert sum(t.prefix_reused_tokens for t in timings) == prefix["reused_tokens"]
     # The context pools evicted (more prompt blocks went through them than they hold), and the
     # router heard of it: its index followed stores and removals alike.
     events = state["kv_event_blocks"]

@@ -1,10 +1,12 @@
 """The sizing simulator and its inputs: trace slices (arrivals, time scale, rate override, length
 scaling, Mooncake hash ids -> equal token blocks), the per-request figures, and the
 discrete-event simulation over the real schedulers (determinism, hand-off accounting, pauses,
-batch limits, the router's in-flight cap, the goodput search)."""
+batch limits, the router's in-flight cap, the goodput search, ``simulate run --routing``).
+Routing on the workers' caches: test_sim_routing.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -239,3 +241,19 @@ def test_goodput_search_finds_a_rate_that_meets_the_slo():
     assert rate > mean_rate(work) and summary["slo_attainment"] >= 0.9 and sims > 2
     too_fast = simulate(spec, cost, rescaled(work, mean_rate(work) / (rate * 2))).summary(slo)
     assert too_fast["slo_attainment"] < 0.9
+
+
+def test_simulate_run_takes_the_routers_routing_modes(tmp_path, capsys):
+    from pdserve.bench.sizing import main
+
+    out = tmp_path / "run.json"
+    assert main(["run", "--trace", "mooncake", "--layouts", "1P1D,colocated-x2", "--num-requests", "30",
+                 "--routing", "kv-aware", "--kv-overlap-weight", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["routing"] == "kv-aware"
+    for summary in data["summaries"].values():
+        assert summary["routing"]["mode"] == "kv-aware" and summary["routing"]["requests"] == 30
+        assert summary["routing"]["index_resyncs"] == 0
+    assert "routing kv-aware" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["run", "--routing", "kv_cache_aware"])
