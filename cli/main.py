@@ -264,15 +264,31 @@ def _top(argv: list[str]) -> int:
 
 def _shutdown(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdserve shutdown", description="Kill pdserve's actors only.")
-    parser.add_argument("--address", default="auto")
+    parser.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="only if pdserve's router there serves gRPC on this port (as the "
+                             "other subcommands take it); otherwise nothing is killed")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from pdserve.cluster.launch import NAMESPACE, client_auth_env, shutdown_all
+    from pdserve.cluster.launch import NAMESPACE, ROUTER_NAME, client_auth_env, shutdown_all
 
     client_auth_env()
     import ray
 
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    if args.port is not None:
+        try:
+            port = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).port.remote(), timeout=30)
+        except (ValueError, ray.exceptions.RayError) as exc:
+            print(f"pdserve shutdown: --port {args.port}: no pdserve router on the Ray cluster at "
+                  f"{args.address} ({exc})", file=sys.stderr)
+            ray.shutdown()
+            return 2
+        if port != args.port:
+            print(f"pdserve shutdown: --port {args.port}: the pdserve router on the Ray cluster at "
+                  f"{args.address} serves port {port}; nothing killed", file=sys.stderr)
+            ray.shutdown()
+            return 2
     killed = shutdown_all()
     print(f"killed {len(killed)} pdserve actor(s): {', '.join(sorted(killed)) or '-'}")
     ray.shutdown()  # disconnects this driver; the cluster keeps running

@@ -398,6 +398,20 @@ def status_table(status: Any) -> Table:
     return table
 
 
+def limits_table(status: Any) -> Table:
+    """Each worker's limits (pdserve status): the longest prompt, prompt + output, the batch, the
+    tokens per step and the KV pool."""
+    table = _table()
+    _text(table, "worker", ID_WIDTH)
+    for header in ("max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"):
+        _num(table, header)
+    for w in status.workers:
+        table.add_row(w.worker_id, count(w.max_input_len), count(w.max_seq_len),
+                      count(w.max_batch_size), count(w.max_num_tokens), count(w.total_kv_blocks),
+                      count(w.tokens_per_block))
+    return table
+
+
 def render_status(status: Any, *, address: str = "") -> RenderableType:
     """What ``pdserve status`` prints."""
     head = Text("pdserve cluster", style="bold")
@@ -408,6 +422,11 @@ def render_status(status: Any, *, address: str = "") -> RenderableType:
                            f"generation {status.generation_policy or '-'}"))
     parts.append(status_table(status))
     parts.append(Text(STATUS_LEGEND, style="dim"))
+    parts.append(limits_table(status))
+    if status.max_input_len:
+        parts.append(_line("accepts", f"prompt <= {count(status.max_input_len)} tokens",
+                           f"prompt + max_tokens <= {count(status.max_seq_len)}",
+                           f"text <= {human_bytes(status.max_prompt_bytes)}"))
     for w in status.workers:
         if w.requests_by_state:
             states = ", ".join(f"{k}={v}" for k, v in sorted(w.requests_by_state.items()))

@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.cluster.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.cluster.router import RouterError
+from pdserve.cluster.validation import ValidationError
 from pdserve.cluster.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -141,8 +142,8 @@ class OpenAIServer:
         try:
             body = await _json_body(request)
             parsed = parse_request(body, kind, self.model_id)
-            spec = self._spec(parsed, request.headers.get("X-Request-Id"))
-            req = self._admit(spec, kind)
+            spec = await self._spec(parsed, request.headers.get("X-Request-Id"))
+            req = await self._admit(spec, kind)
         except ApiError as exc:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
@@ -192,7 +193,7 @@ class OpenAIServer:
         await resp.write_eof()
         return resp
 
-    def _spec(self, parsed: ParsedRequest, request_id: str | None):
+    async def _spec(self, parsed: ParsedRequest, request_id: str | None):
         spec = dataclasses.replace(parsed.spec, request_id=request_id)
         if parsed.kind != CHAT:
             return spec
@@ -203,16 +204,19 @@ class OpenAIServer:
             text = self.chat_template.render(list(parsed.messages), add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise invalid("messages", f"the chat template refused them: {exc}") from exc
-        ids = self.router.tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            ids = await self.router.tokenize(text, "messages")
+        except ValidationError as exc:
+            raise invalid(exc.field, exc.message) from None
         if not parsed.max_tokens_given:
             limits = self.router.limits
             room = (limits.max_seq_len or len(ids) + limits.max_tokens_limit) - len(ids)
             spec = dataclasses.replace(spec, max_tokens=max(1, min(room, limits.max_tokens_limit)))
         return dataclasses.replace(spec, token_ids=tuple(ids))
 
-    def _admit(self, spec, kind: str):
+    async def _admit(self, spec, kind: str):
         try:
-            return self.router.admit(spec)
+            return await self.router.admit(spec)
         except RouterError as exc:
             raise self._api_error(exc, kind) from None
 

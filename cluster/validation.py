@@ -99,7 +99,7 @@ def validate_token_ids(token_ids: Sequence[int], limits: ValidationLimits,
     if len(token_ids) == 0:
         raise ValidationError(field, "must not be empty")
     if limits.max_input_len is not None and len(token_ids) > limits.max_input_len:
-        raise ValidationError(field, f"{len(token_ids)} tokens exceed max_input_len="
+        raise ValidationError(field, f"{len(token_ids)} tokens exceed max_input_len "
                               f"{limits.max_input_len}")
     upper = limits.vocab_size
     for i, t in enumerate(token_ids):
@@ -140,7 +140,7 @@ def validate_sampling(
     if (prompt_len is not None and limits.max_seq_len is not None
             and prompt_len + max_tokens > limits.max_seq_len):
         raise ValidationError("sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens "
-                              f"({max_tokens}) exceeds max_seq_len={limits.max_seq_len}")
+                              f"({max_tokens}) exceeds max_seq_len {limits.max_seq_len}")
     if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValidationError("sampling.temperature", f"must be finite and >= 0, got {temperature!r}")
     if not _is_real(top_p) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,19 @@ from .request_state import Phase, RouterRequest
 log = logging.getLogger("pdserve.router")
 
 DISPATCH_LOG_LEN = 1000
+TEXT_THREADS = 2  # tokenizing threads (the tokenizers library releases the GIL while it works)
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes one token of the vocabulary decodes to: a text of B bytes is at
+    least B / this many tokens. A token that is part of a character decodes to U+FFFD (3
+    bytes), more than its real share, so the bound stays an upper bound."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    longest = 1
+    for token_id in range(size):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        longest = max(longest, len(text.encode("utf-8", "surrogatepass")))
+    return longest
 
 
 class Router:
@@ -89,6 +103,10 @@ class Router:
         self.prefix = {"requests": 0, "exact": 0, "predicted_tokens": 0, "reused_tokens": 0}
         self._ids = itertools.count(1)
         self.attempt_ids = itertools.count(1)  # the request id each worker attempt carries
+        # Tokenizing runs here, off the loop; the byte bound refuses what cannot fit first.
+        self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-tokenize")
+        self.max_token_bytes = longest_token_bytes(tokenizer)
+        self.max_prompt_bytes = (self.limits.max_input_len or 0) * self.max_token_bytes
         self.dispatcher = Dispatcher(self)
         self._tasks: list[asyncio.Task] = []
         self.server: grpc.aio.Server | None = None
@@ -125,24 +143,29 @@ class Router:
         self.registry.close()
         if self.server is not None:
             await self.server.stop(grace_s)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ admission
     # The one admission path, shared by the gRPC and HTTP front doors: admit() validates and
     # queues a request, results() streams its GenerateResponse messages and, however the caller
     # leaves (finished, error, disconnect), cancels what is still running.
 
-    def admit(self, spec: V.GenerateSpec, time_remaining_s: float | None = None) -> RouterRequest:
-        """Validate, tokenize and queue one request; raises RouterError (INVALID_ARGUMENT,
-        ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE) when it cannot be queued."""
+    async def admit(self, spec: V.GenerateSpec, time_remaining_s: float | None = None) -> RouterRequest:
+        """Validate, tokenize (off the event loop) and queue one request; raises RouterError
+        (INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAVAILABLE) when it cannot be
+        queued. Everything after the tokenization runs without an await, so the duplicate-id
+        check and the queue insert are one step of the loop."""
         now = time.monotonic()
         if not self.accepting:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         try:
             V.validate_generate_spec(spec, self.limits)
-            prompt = self._prompt_ids(spec)
+            prompt = await self._prompt_ids(spec)
         except V.ValidationError as exc:
             self.totals["rejected"] += 1
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), exc.field, exc.message) from None
+        if not self.accepting:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         external = spec.request_id or uuid.uuid4().hex
         if external in self.by_external:
             self.totals["rejected"] += 1
@@ -197,10 +220,10 @@ class Router:
                 self.cancel(req, "client went away")  # also the path for client cancellation
             self._forget(req)
 
-    def _prompt_ids(self, spec: V.GenerateSpec) -> list[int]:
+    async def _prompt_ids(self, spec: V.GenerateSpec) -> list[int]:
         if spec.token_ids is not None:
             return list(spec.token_ids)
-        ids = self.tokenizer.encode(spec.text, add_special_tokens=False).ids
+        ids = await self.tokenize(spec.text, "prompt.text")
         if not ids:
             raise V.ValidationError("prompt.text", "encodes to no tokens")
         if self.limits.max_input_len is not None and len(ids) > self.limits.max_input_len:
@@ -208,8 +231,26 @@ class Router:
                                                    f"{self.limits.max_input_len}")
         if self.limits.max_seq_len is not None and len(ids) + spec.max_tokens > self.limits.max_seq_len:
             raise V.ValidationError("sampling.max_tokens", f"prompt ({len(ids)}) + max_tokens "
-                                                           f"exceeds max_seq_len {self.limits.max_seq_len}")
+                                                           f"({spec.max_tokens}) exceeds max_seq_len "
+                                                           f"{self.limits.max_seq_len}")
         return ids
+
+    async def tokenize(self, text: str, field: str) -> list[int]:
+        """Token ids of a text prompt, encoded on a small thread pool so a long prompt never
+        stalls the streams on the router's loop. A text whose UTF-8 length alone proves it is
+        too long (more bytes than max_input_len tokens of the longest token can hold) is
+        refused before any tokenizing."""
+        nbytes = len(text.encode("utf-8", "surrogatepass"))
+        if self.limits.max_input_len is not None and nbytes > self.max_prompt_bytes:
+            raise V.ValidationError(field, f"{nbytes} bytes cannot fit max_input_len "
+                                           f"{self.limits.max_input_len} tokens (a token is at "
+                                           f"most {self.max_token_bytes} bytes)")
+        loop = asyncio.get_running_loop()
+        encoding = await loop.run_in_executor(self._text_pool, self._encode, text)
+        return encoding
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -26,14 +27,47 @@ if TYPE_CHECKING:
 STATUS_EVENTS = 200  # the most GetClusterStatus returns
 
 
+async def _parse(message_type, data: bytes, context):
+    """A request message from its bytes. gRPC's own deserializer answers a malformed message
+    UNKNOWN with a Python exception in the text; this answers INVALID_ARGUMENT, naming it."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request: not a valid {message_type.DESCRIPTOR.full_name} message ({exc})")
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, router: "Router") -> None:
         self.router = router
 
+    # The handlers take the request's bytes (see _parse and handlers()).
+
+    def handlers(self) -> dict:
+        return {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._generate_bytes, response_serializer=pb.GenerateResponse.SerializeToString),
+            "Abort": grpc.unary_unary_rpc_method_handler(
+                self._abort_bytes, response_serializer=pb.AbortResponse.SerializeToString),
+            "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
+                self._status_bytes, response_serializer=pb.ClusterStatus.SerializeToString),
+        }
+
+    async def _generate_bytes(self, data: bytes, context):
+        request = await _parse(pb.GenerateRequest, data, context)
+        async for item in self.Generate(request, context):
+            yield item
+
+    async def _abort_bytes(self, data: bytes, context):
+        return await self.Abort(await _parse(pb.AbortRequest, data, context), context)
+
+    async def _status_bytes(self, data: bytes, context):
+        return await self.GetClusterStatus(await _parse(pb.ClusterStatusRequest, data, context), context)
+
     async def Generate(self, request, context):
         router = self.router
         try:
-            req = router.admit(spec_from_proto(request), context.time_remaining())
+            req = await router.admit(spec_from_proto(request), context.time_remaining())
         except RouterError as exc:
             await context.abort(exc.code, exc.message)
         async with contextlib.aclosing(router.results(req)) as stream:
@@ -68,7 +102,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return pb.ClusterStatus(workers=statuses, router_queue_depth=len(router.waiting),
                                 totals=totals, context_policy=router.context_policy.name,
                                 generation_policy=router.generation_policy.name,
-                                recent_events=events)
+                                recent_events=events, max_input_len=router.limits.max_input_len or 0,
+                                max_seq_len=router.limits.max_seq_len or 0,
+                                max_prompt_bytes=router.max_prompt_bytes)
 
 
 async def start_grpc(router: "Router") -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
@@ -77,7 +113,8 @@ async def start_grpc(router: "Router") -> tuple[grpc.aio.Server, health.aio.Heal
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes)]
     server = grpc.aio.server(options=opts)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    handlers = RouterServicer(router).handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ROUTER_SERVICE_NAME, handlers),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -116,13 +153,20 @@ def final_response(req: RouterRequest, tokens: list[int], finish_reason: str, te
 
 def worker_status_proto(router: "Router", worker_id: str):
     registry = router.registry
-    role = (pb.WORKER_ROLE_CONTEXT if registry.infos[worker_id].role == "context"
-            else pb.WORKER_ROLE_GENERATION)
+    info = registry.infos[worker_id]
+    role = pb.WORKER_ROLE_CONTEXT if info.role == "context" else pb.WORKER_ROLE_GENERATION
+    limits = dict(max_input_len=info.max_input_len or 0, max_seq_len=info.max_seq_len or 0,
+                  max_num_tokens=info.max_num_tokens)
     s, age, why = registry.current_status(worker_id)
     if s is None:
         return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=False,
-                               invariant_violations=[f"no status: {why}"])
-    return _status_proto(s, role, registry.healthy(worker_id), age)
+                               invariant_violations=[f"no status: {why}"],
+                               total_kv_blocks=info.num_kv_blocks, max_batch_size=info.max_batch_size,
+                               tokens_per_block=info.tokens_per_block, **limits)
+    out = _status_proto(s, role, registry.healthy(worker_id), age)
+    for name, value in limits.items():
+        setattr(out, name, value)
+    return out
 
 
 def _status_proto(s: WorkerStatus, role, healthy: bool, age: float):

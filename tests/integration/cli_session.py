@@ -63,7 +63,13 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         workers = {w["workerId"]: w for w in json.loads(status.stdout)["workers"]}
         assert set(workers) == {"ctx-0", "gen-0"}
 
-        down = run("shutdown", "--address", info["ray_address"])
+        status_doc = json.loads(status.stdout)
+        assert status_doc["maxInputLen"] > 0 and status_doc["maxPromptBytes"] > 0  # limits shown
+        assert all(w["maxSeqLen"] > 0 and w["maxNumTokens"] > 0 for w in workers.values())
+
+        wrong = run("shutdown", "--address", info["ray_address"], "--port", str(port + 1))
+        assert wrong.returncode == 2 and f"serves port {port}" in wrong.stderr  # nothing killed
+        down = run("shutdown", "--address", info["ray_address"], "--port", str(port))
         assert down.returncode == 0, down.stderr
         assert "pdserve-router" in down.stdout and "pdserve-gen-0" in down.stdout
         assert launch.wait(timeout=120) == 0  # launch notices its router is gone and exits

@@ -150,13 +150,31 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_stays_healthy(shar
             err = await _expect_error(stub, _req(text="a" * (5 << 20)))
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
 
+            # A message that is not a GenerateRequest at all (cut short, or garbage).
+            raw = ch.unary_stream("/pdserve.v1.Router/Generate")  # bytes in, bytes out
+            whole = _req().SerializeToString()
+            for data in (whole[:len(whole) // 2], b"\xff\xff\xff\xff"):
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await U.drain(raw(data, timeout=30))
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad.value.details()
+                assert bad.value.details().startswith("request: not a valid pdserve.v1.GenerateRequest")
+
+            # A 3 MiB text prompt (inside the message limit) while another request streams: it
+            # is refused by its byte length, never tokenized, and the stream goes on.
+            streaming = asyncio.create_task(U.generate(stub, "streaming", prompt, 40))
+            err = await _expect_error(stub, _req(text="hello world " * (1 << 18)))  # 3 MiB
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.details().startswith("prompt.text:") and "bytes cannot fit max_input_len" in err.details()
+            streamed = await streaming
+            assert streamed.code is None and streamed.tokens == U.reference(model_dir, [prompt], 40, ENGINE)[0]
+
             assert await _health(ch) == SERVING
             return await U.generate(stub, "after", prompt, 8)  # serving normally
 
     after = U.run(go(), 180)
     assert after.code is None and after.tokens == U.reference(model_dir, [prompt], 8, ENGINE)[0]
     st = U.wait_drained(shared)
-    assert st.totals.rejected - before == len(BAD_INPUT) + 1  # + the duplicate
+    assert st.totals.rejected - before == len(BAD_INPUT) + 2  # + the duplicate + the 3 MiB text
     print(f"\nbad input: {len(BAD_INPUT)} INVALID_ARGUMENT cases + 1 duplicate id + 1 oversize "
           f"message refused; the server served normally afterwards")
 

@@ -26,7 +26,8 @@ TOP_HEADERS = [
     ["time", "request", "worker", "paused s", "pause #"],
 ]
 STATUS_HEADERS = [["worker", "role", "ok", "KV free", "act", "queue", "paused", "pauses", "xfers",
-                   "bytes", "quar"]]
+                   "bytes", "quar"],
+                  ["worker", "max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"]]
 
 
 def _worker(worker_id, role, *, generated=0, xfers=0, xfer_bytes=0, pauses=0, free=100, total=128,
@@ -138,8 +139,14 @@ def test_top_fits_80_columns_with_every_header_whole():
 
 
 def test_status_fits_80_columns_with_every_header_whole():
-    text = render(views.render_status(make_status(3), address="127.0.0.1:50051"))
+    status = make_status(3)
+    status.max_input_len, status.max_seq_len, status.max_prompt_bytes = 2047, 2048, 10235
+    status.workers[0].max_input_len, status.workers[0].max_num_tokens = 1999, 512
+    text = render(views.render_status(status, address="127.0.0.1:50051"))
     assert_fits_80(text, STATUS_HEADERS)
+    assert "prompt <= 2047 tokens" in text and "prompt + max_tokens <= 2048" in text
+    assert "1999" in column_text(text, STATUS_HEADERS[1], "max prompt")
+    assert "512" in column_text(text, STATUS_HEADERS[1], "step tok")
     assert "ctx-0" in text and "gen-0" in text
     assert LONG_WORKER in column_text(text, STATUS_HEADERS[0], "worker")
     assert "violation" in text and "free 3 + used 4 != total 8" in " ".join(text.split())

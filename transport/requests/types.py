@@ -173,6 +173,7 @@ class WorkerInfo:
     max_batch_size: int
     max_input_len: int | None
     max_seq_len: int | None
+    max_num_tokens: int
     vocab_size: int
     endpoint: str  # the KV store (torch.distributed rendezvous) of this incarnation
     incarnation: int
