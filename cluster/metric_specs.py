@@ -116,6 +116,9 @@ ROUTER_REQUESTS = _spec("pdserve_router_requests", COUNTER,
                         OUTCOME)
 ROUTER_PREFILLS = _spec("pdserve_router_prefills", COUNTER,
                         "Dispatched prefills: kind=remote (context worker) or kind=local", KIND)
+ROUTER_FALLBACKS = _spec("pdserve_router_fallbacks", COUNTER,
+                         "Attempts after a failed KV transfer, by where they went: kind=local | pair "
+                         "(not retries: they do not count against max_retries)", KIND)
 ROUTER_RETRIES = _spec("pdserve_router_retries", COUNTER, "Retries on another worker pair or locally")
 ROUTER_KV_PATHS = _spec("pdserve_router_kv_paths", COUNTER,
                         "How each finished request's KV reached its generation worker: "

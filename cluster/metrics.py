@@ -67,6 +67,7 @@ from .metric_specs import (
     ROLE,
     ROUTER_IN_FLIGHT,
     ROUTER_E2E_SECONDS,
+    ROUTER_FALLBACKS,
     ROUTER_KV_PATHS,
     ROUTER_PREFILLS,
     ROUTER_PREFIX_PREDICTED_TOKENS,
@@ -382,6 +383,9 @@ class RouterMetrics(_Recorder):
 
     def count_prefill(self, *, local: bool) -> None:
         self._inc(ROUTER_PREFILLS, 1, self._tags_with(KIND, "local" if local else "remote"))
+
+    def count_fallback(self, *, local: bool) -> None:
+        self._inc(ROUTER_FALLBACKS, 1, self._tags_with(KIND, "local" if local else "pair"))
 
     def count_retries(self, n: int = 1) -> None:
         self._inc(ROUTER_RETRIES, n)

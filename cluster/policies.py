@@ -376,3 +376,32 @@ def plan_retry(
             best = min(local, key=lambda g: (g in failed_gen, gens.index(g)))
             return RetryPlan(RetryAction.LOCAL_PREFILL, None, best, "local prefill fallback")
     return RetryPlan(RetryAction.GIVE_UP, None, None, "no untried healthy worker")
+
+
+def plan_transfer_fallback(
+    failed: Collection[tuple[str | None, str]],
+    gen_worker: str,
+    workers: Sequence[WorkerLoad],
+    prompt: PromptInfo,
+    *,
+    context_policy: WorkerPolicy,
+    mode: DisaggregationMode = DisaggregationMode.AUTO,
+) -> RetryPlan:
+    """The next attempt after a KV transfer to ``gen_worker`` failed while both workers lived
+    (``failed``: the pairs whose transfer failed so far). A failed transfer is not a dead worker,
+    so this never uses up ``max_retries``: prefill on the generation worker itself (no transfer
+    left to fail), unless disaggregation is required; then another context worker for the same
+    generation worker; else give up. Uses ``rank`` only (no policy state advanced)."""
+    gen = next((w for w in workers if w.worker_id == gen_worker), None)
+    if gen is None or not gen.healthy:
+        return RetryPlan(RetryAction.GIVE_UP, None, None, f"{gen_worker} is not healthy")
+    if mode != DisaggregationMode.ALWAYS and (None, gen_worker) not in failed:
+        return RetryPlan(RetryAction.LOCAL_PREFILL, None, gen_worker,
+                         "local prefill after a failed KV transfer")
+    if mode != DisaggregationMode.NEVER:
+        tried = {c for c, g in failed if g == gen_worker and c is not None}
+        for s in context_policy.rank(workers, prompt, exclude=tried):
+            return RetryPlan(RetryAction.PAIR, s.worker_id, gen_worker,
+                             "another context worker after a failed KV transfer")
+    return RetryPlan(RetryAction.GIVE_UP, None, None,
+                     f"no other way to {gen_worker} after a failed KV transfer")

@@ -50,6 +50,11 @@ class WorkerFailure(RuntimeError):
     the request may be retried on other workers."""
 
 
+class TransferFailed(WorkerFailure):
+    """The generation worker is alive but the request's KV did not arrive: a fallback (local
+    prefill, or another context worker), which does not use up max_retries."""
+
+
 class RequestRejected(ValueError):
     """A worker refused the request itself (validation); retrying elsewhere cannot help."""
 

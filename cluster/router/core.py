@@ -95,7 +95,7 @@ class Router:
         self.dispatch_log: collections.deque[str] = collections.deque(maxlen=DISPATCH_LOG_LEN)
         self.serving = True
         self.totals = {k: 0 for k in ("received", "completed", "failed", "aborted", "rejected",
-                                      "retries", "remote_prefills", "local_prefills")}
+                                      "retries", "remote_prefills", "local_prefills", "fallbacks")}
         # How each finished request's KV reached its generation worker (KvPathTotals).
         self.kv_paths = {k: 0 for k in KV_PATH_KINDS}
         # The prefix index's prediction for each completed request's prefill worker against what
@@ -297,6 +297,12 @@ class Router:
 
     async def fail(self, req: RouterRequest, code: grpc.StatusCode, message: str) -> None:
         await req.out.put(Failure(code, message))  # results() counts it when it answers
+
+    def count_fallback(self, req: RouterRequest, *, local: bool) -> None:
+        req.fallbacks += 1
+        self.totals["fallbacks"] += 1
+        if self.metrics is not None:
+            self.metrics.count_fallback(local=local)
 
     def count_prefill(self, *, local: bool) -> None:
         self.totals["local_prefills" if local else "remote_prefills"] += 1

@@ -14,6 +14,11 @@ Every wait is bounded: by the request's deadline, and a worker's silence (no upd
 heartbeat from its step loop) by worker_call_timeout_s; a request that is only queued on a live
 worker is not retried. Each attempt carries the seconds it has left (``deadline_s``), so a worker
 frees a request whose client is gone even if the router's abort never arrives.
+
+A failed KV transfer (the generation worker is alive, its KV did not arrive) is not a worker
+death: the request falls back (``policies.plan_transfer_fallback``: local prefill on that
+generation worker, or another context worker for it) without using up max_retries, which are
+for dead or silent workers; each fallback is counted (``Timings.fallbacks``, metrics).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from pdserve.transport.requests import (
     WireUpdate,
 )
 
-from .config import DeadlineExceeded, RequestRejected, StopStringReached, WorkerFailure
+from .config import DeadlineExceeded, RequestRejected, StopStringReached, TransferFailed, WorkerFailure
 from .request_state import Phase, RouterRequest
 
 if TYPE_CHECKING:
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.router")
 
 WORKER_DEADLINE_GRACE_S = 0.5  # a worker's deadline for an attempt trails the request's
+MAX_TRANSFER_FALLBACKS = 4  # failed transfers one request may fall back from (then: give up)
 
 
 class Dispatcher:
@@ -95,7 +101,8 @@ class Dispatcher:
 
     async def run(self, req: RouterRequest) -> None:
         r = self.router
-        failed: set[tuple[str | None, str]] = set()
+        failed: set[tuple[str | None, str]] = set()  # attempts on workers that failed (retries)
+        transfer_failed: set[tuple[str | None, str]] = set()  # pairs whose transfer failed (fallbacks)
         last_error = ""
         try:
             blank = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
@@ -115,6 +122,23 @@ class Dispatcher:
                     else:
                         await self._local(req, plan.gen_worker)
                     return
+                except TransferFailed as exc:
+                    if req.cancelled or time.monotonic() >= req.deadline:
+                        return
+                    log.warning("request %s: KV transfer %s -> %s failed: %s", req.external_id,
+                                plan.ctx_worker, plan.gen_worker, exc)
+                    last_error = f"; last failure: {exc}"
+                    transfer_failed.add((plan.ctx_worker, plan.gen_worker))
+                    prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
+                    plan = (P.plan_transfer_fallback(
+                        transfer_failed, plan.gen_worker, list(self.registry.loads.values()),
+                        prompt_info, context_policy=r.context_policy,
+                        mode=P.DisaggregationMode(req.spec.disaggregation))
+                        if len(transfer_failed) <= MAX_TRANSFER_FALLBACKS else
+                        P.RetryPlan(P.RetryAction.GIVE_UP, None, None,
+                                    f"{MAX_TRANSFER_FALLBACKS} KV transfers failed"))
+                    if plan.action != P.RetryAction.GIVE_UP:
+                        r.count_fallback(req, local=plan.action == P.RetryAction.LOCAL_PREFILL)
                 except WorkerFailure as exc:
                     if req.cancelled or time.monotonic() >= req.deadline:
                         return  # Generate answers DEADLINE_EXCEEDED; no retry past the deadline
@@ -239,6 +263,8 @@ class Dispatcher:
                 raise DeadlineExceeded(who)
             if last.error == ErrorKind.REJECTED:
                 raise RequestRejected(last.message)  # the request, not the worker
+            if last.error == ErrorKind.TRANSFER:
+                raise TransferFailed(f"{who}: {last.message}")
             raise WorkerFailure(f"{who}: {last.message}")
 
     def _wire(self, req: RouterRequest, prompt: list[int], max_tokens: int, kind: LlmRequestType,

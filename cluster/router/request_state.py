@@ -68,6 +68,7 @@ class RouterRequest:
     ctx_worker: str = ""
     gen_worker: str = ""
     retries: int = 0
+    fallbacks: int = 0  # after failed KV transfers (not retries: no worker died)
     local_prefill: bool = False
     kv_bytes: int = 0
     kv_seconds: float = 0.0

@@ -143,7 +143,8 @@ def final_response(req: RouterRequest, tokens: list[int], finish_reason: str, te
         ttft_ms=1000 * ((req.first_token or now) - req.received),
         e2e_ms=1000 * (now - req.received), kv_transfer_bytes=req.kv_bytes,
         kv_transfer_ms=1000 * req.kv_seconds, pauses=req.pauses, ctx_worker=req.ctx_worker,
-        gen_worker=req.gen_worker, retries=req.retries, local_prefill=req.local_prefill,
+        gen_worker=req.gen_worker, retries=req.retries, fallbacks=req.fallbacks,
+        local_prefill=req.local_prefill,
         prefix_predicted_tokens=req.predicted_tokens, prefix_reused_tokens=req.reused_tokens or 0)
     usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
                      cached_prompt_tokens=req.cached_tokens)

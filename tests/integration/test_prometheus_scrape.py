@@ -56,7 +56,8 @@ CTX, GEN, ROUTER = "pdserve-ctx-0", "pdserve-gen-0", "pdserve-router"
 # Series that only a fault (or a caller not wired yet) records: a dashboard query may name them
 # although Prometheus has never seen them (Ray exports a counter from its first increment).
 ONLY_ON_FAULTS = frozenset({"ray_pdserve_kv_leases_expired_total", "ray_pdserve_router_retries_total",
-                            "ray_pdserve_router_kv_paths_total", "ray_pdserve_unexpected_recomputes_total"})
+                            "ray_pdserve_router_kv_paths_total", "ray_pdserve_unexpected_recomputes_total",
+                            "ray_pdserve_router_fallbacks_total"})
 SHARED = list(range(200, 208))  # two blocks every prompt starts with, so the prefix counters move
 GAUGE_WAIT_S = 30.0
 

@@ -29,6 +29,7 @@ from pdserve.cluster.policies import (
     matched_tokens,
     needs_remote_prefill,
     plan_retry,
+    plan_transfer_fallback,
 )
 from pdserve.scheduler.kv_cache import KVCacheManager
 from pdserve.scheduler.radix_tree import chain_block_keys, lora_seed, prompt_block_keys
@@ -470,3 +471,34 @@ def test_importing_policies_loads_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
+
+
+# ---- fallback after a failed KV transfer -----------------------------------------------------------
+
+def _fallback(failed, ws, mode=DisaggregationMode.AUTO, gen_worker="g0"):
+    return plan_transfer_fallback(failed, gen_worker, ws, prompt(9), context_policy=LeastLoadedPolicy(),
+                                  mode=mode)
+
+
+def test_a_failed_transfer_falls_back_to_local_prefill_on_its_generation_worker():
+    ws = [ctx("c0"), ctx("c1"), gen("g0"), gen("g1")]
+    plan = _fallback({("c0", "g0")}, ws)
+    assert (plan.action, plan.ctx_worker, plan.gen_worker) == (RetryAction.LOCAL_PREFILL, None, "g0")
+    # Under NEVER too (a request that never wanted a transfer had none to fail, but the rule holds).
+    assert _fallback({("c0", "g0")}, ws, DisaggregationMode.NEVER).action == RetryAction.LOCAL_PREFILL
+
+
+def test_when_disaggregation_is_required_another_context_worker_serves_the_same_generation_worker():
+    ws = [ctx("c0"), ctx("c1", queued_prompt_tokens=50), ctx("c2"), gen("g0")]
+    plan = _fallback({("c0", "g0")}, ws, DisaggregationMode.ALWAYS)
+    assert (plan.action, plan.ctx_worker, plan.gen_worker) == (RetryAction.PAIR, "c2", "g0")
+    plan = _fallback({("c0", "g0"), ("c2", "g0")}, ws, DisaggregationMode.ALWAYS)
+    assert (plan.action, plan.ctx_worker) == (RetryAction.PAIR, "c1")
+    plan = _fallback({("c0", "g0"), ("c1", "g0"), ("c2", "g0")}, ws, DisaggregationMode.ALWAYS)
+    assert plan.action == RetryAction.GIVE_UP and "failed KV transfer" in plan.reason
+
+
+def test_a_fallback_never_targets_an_unhealthy_generation_worker():
+    ws = [ctx("c0"), gen("g0", healthy=False)]
+    plan = _fallback({("c0", "g0")}, ws)
+    assert plan.action == RetryAction.GIVE_UP and "not healthy" in plan.reason
