@@ -12,15 +12,19 @@ staging buffers overlaps the send/recv of its neighbours (torch ops and gloo I/O
 GIL). A single-plane chunk whose block ids are consecutive on a side is a contiguous slice of that
 side's pool and is sent from / received into the pool without a copy.
 
+Op 0 of a group the generation side sets up eagerly is its PairOpen: an OPEN header, no payload.
+
 Failure rule: any exception or timeout on a pair poisons its group on that side; the group is
-aborted (the peer's pending ops then fail at once with "connection closed") and the generation
-side rebuilds under a new epoch (fresh store prefix) on the next request. Other pairs have their
-own groups and threads, so one dead peer touches nobody else.
+dropped (its sockets close, so the peer's pending ops fail at once) and the generation
+side rebuilds under a new epoch (fresh store prefix) at once, re-issuing the ops queued behind
+the failed one there (``kv_receiver``; docs/design.md 4.6). Other pairs have their own groups
+and threads, so one dead peer touches nobody else.
 """
 from __future__ import annotations
 
 import datetime
 import math
+import os
 import socket
 import threading
 import time
@@ -44,7 +48,7 @@ CTX_RANK, GEN_RANK = 0, 1
 class TransportConfig:
     host: str = "127.0.0.1"
     port: int = 0  # context side's TCPStore port; 0 picks a free one
-    connect_timeout_s: float = 10.0  # store connect and pair-group rendezvous
+    connect_timeout_s: float = 30.0  # store connect and pair-group rendezvous (a loaded host)
     default_timeout_s: float = 30.0  # lease (ctx) / transfer deadline (gen) when none is given
     chunk_bytes: int = 4 << 20  # target payload chunk when blocks are gathered
     num_staging: int = 3  # staging buffers per pair thread (pipeline depth)
@@ -81,14 +85,64 @@ class Deadline:
             raise TimeoutError(f"{what} did not complete in time")
 
 
+def _socket_fds() -> dict[int, str]:
+    """This process's socket file descriptors -> their inode link ("socket:[N]"); empty where
+    there is no /proc."""
+    out = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(fd)] = link
+    return out
+
+
+def _accepted_connections(before: set[str]) -> dict[int, str]:
+    """Sockets new since ``before`` that a listener new since then accepted: the gloo
+    connections a group constructor made on the side that listened. (Sockets another thread
+    opened meanwhile have other local ports, so they are never taken for ours.)"""
+    listening, connected = set(), {}
+    for fd, link in _socket_fds().items():
+        if link in before:
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+            try:
+                sock.getpeername()
+                connected[fd] = (link, port)
+            except OSError:
+                listening.add(port)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return {fd: link for fd, (link, port) in connected.items() if port in listening}
+
+
 class PairGroup:
-    """One pair process group (2 ranks) on a PrefixStore, never the global default group."""
+    """One pair process group (2 ranks) on a PrefixStore, never the global default group.
+
+    ``destroy`` aborts it, but gloo's abort does not interrupt a wait in progress (measured:
+    a posted recv still completed after ``abort()`` and ``shutdown()``); what makes the peer's
+    pending ops fail at once is the group's sockets closing, when the last reference to the
+    dropped group goes. ``cut`` closes them on purpose (fault injection: a cut connection)."""
 
     def __init__(self, store: dist.Store, name: str, rank: int, device: torch.device,
                  timeout_s: float) -> None:
         self.name = name
         self.rank = rank
         self.peer = 1 - rank
+        before = set(_socket_fds().values())
         prefixed = dist.PrefixStore(name, store)
         if device.type == "cuda":  # both sides hold CUDA tensors: NCCL (not on CPU builds)
             nccl = getattr(dist, "ProcessGroupNCCL", None)
@@ -99,6 +153,30 @@ class PairGroup:
             self.pg = nccl(prefixed, rank, 2, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, 2, as_timedelta(timeout_s))
+        self._sockets = _accepted_connections(before)
+
+    def cut(self) -> int:
+        """Shut the group's TCP connections down, as a dying peer or a broken network would:
+        every pending op on both sides fails. Returns how many sockets were cut: 0 on the side
+        that connected out (only the accepting side can tell its gloo sockets apart)."""
+        now = _socket_fds()
+        cut = 0
+        for fd, link in self._sockets.items():
+            if now.get(fd) != link:
+                continue  # closed since (and perhaps the number reused): not ours any more
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if sock.type == socket.SOCK_STREAM:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:  # a listening socket, or not connected
+                pass
+            finally:
+                sock.close()
+        return cut
 
     def send(self, t: torch.Tensor, tag: int) -> dist.Work:
         return self.pg.send([t], self.peer, tag)
@@ -202,6 +280,36 @@ def failure_reason(exc: BaseException) -> str:
 # ---------------------------------------------------------------------------- rendezvous store
 
 
+def run_abandonable(fn: Callable[[], Any], timeout_s: float, *, thread_name: str,
+                    abandoned: Callable[[], str | None], what: str) -> Any:
+    """``fn()`` on a helper thread that this one watches in slices: its result, or an error at
+    the deadline or as soon as ``abandoned()`` gives a reason. For blocking c10d calls that
+    take no cancellation (a store connect, a group's rendezvous); an abandoned helper ends on
+    its own (at its own timeout) and what it made, if anything, is dropped."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=thread_name, daemon=True).start()
+    end = time.monotonic() + timeout_s
+    while not done.wait(STORE_CONNECT_POLL_S):
+        why = abandoned()
+        if why:
+            raise RuntimeError(f"{what} abandoned: {why}")
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:.1f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def connect_store(endpoint: str, host: str, port: int, timeout_s: float, *, thread_name: str,
                   abandoned: Callable[[], bool]) -> dist.TCPStore:
     """The context worker's store, connected on a helper thread that this one watches.
@@ -215,27 +323,10 @@ def connect_store(endpoint: str, host: str, port: int, timeout_s: float, *, thre
     the pair thread while the new incarnation waits for it to join a group. An abandoned
     helper ends when the far side closes its socket; what it connected, if anything, is
     dropped."""
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            outcome["store"] = dist.TCPStore(host, port, None, False, as_timedelta(timeout_s))
-        except BaseException as exc:  # noqa: BLE001 - handed to the pair thread
-            outcome["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=connect, name=thread_name, daemon=True).start()
-    end = time.monotonic() + timeout_s
-    while not done.wait(STORE_CONNECT_POLL_S):
-        if abandoned():
-            raise RuntimeError(f"context endpoint {endpoint} was replaced while connecting to its store")
-        if time.monotonic() >= end:
-            raise TimeoutError(f"the store at {endpoint} did not answer within {timeout_s:.1f} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["store"]
+    return run_abandonable(
+        lambda: dist.TCPStore(host, port, None, False, as_timedelta(timeout_s)), timeout_s,
+        thread_name=thread_name, what=f"connecting to the store at {endpoint}",
+        abandoned=lambda: "the endpoint is gone or replaced" if abandoned() else None)
 
 
 def probe_store(endpoint: str, host: str, port: int, timeout_s: float,

@@ -9,6 +9,8 @@ longer exists), and requests still carrying it are refused before they touch the
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -22,28 +24,51 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
 from .kv_groups import (
     GEN_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
     TransportConfig, connect_store, failure_reason, header_tensor, incarnation_of, layout_of,
-    probe_store,
+    probe_store, run_abandonable,
 )
 from .protocol import (
-    CancelTransfer, KVRequest, ProtocolError, TransferDescriptor, TransferDone, WireHeader,
-    WireStatus, decode_message, group_name, wire_tag,
+    CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
+    WireHeader, WireStatus, decode_message, encode_message, group_name, wire_tag,
 )
 from .session_sides import ReceiverSessions
 from .sessions import TransferResult
 
 MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
+OPEN_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits after 1, 2, ... failed opens (the last repeats)
+# (ctx worker id, its endpoint, encoded control message, what the dashboard calls the call):
+# delivers a control message from any thread; the answer comes back through ``handle``.
+ControlSink = Callable[[str, str, bytes, str], None]
+
+log = logging.getLogger("pdserve.transport")
 
 
 @dataclass(slots=True)
 class _RecvOp:
     gen_request_id: int
-    descriptor: TransferDescriptor
+    descriptor: TransferDescriptor  # as issued; a re-issue moves it to a newer group
     deadline: Deadline
+
+
+class PairState:
+    """What ``KVReceiver.pair_states`` reports for a pair."""
+
+    LAZY = "lazy"  # no control sink: the group is set up by the first transfer (tests)
+    OPENING = "opening"  # setting its group up (PairOpen sent, rendezvous under way)
+    READY = "ready"  # its group is set up and no op has failed on it since
+    DOWN = "down"  # the last open failed; the next try is after a backoff
+    GONE = "gone"  # the context endpoint is gone (the worker restarted or died)
 
 
 class _ReceiverPair:
     """Generation side of one pair: receives in the order ``issue`` was called (= seq order).
-    After a failure the group is poisoned: epoch + 1, seq from 0, queued ops fail."""
+
+    Eager (the owner has a control sink, as every worker does): the pair thread sets the group
+    up itself as soon as the pair exists, by sending ``PairOpen`` and receiving the OPEN header
+    (op 0; transfers are ops 1, 2, ...). A failure poisons the group: epoch + 1, and the ops
+    queued behind the failed one are re-issued at once on the next group (same transfer,
+    new seq), which the thread sets up right away, then after each failed open with a backoff.
+    Only the op that was in flight fails. Lazy (no sink): the first op sets the group up and
+    a failure fails the queued ops too."""
 
     def __init__(self, owner: KVReceiver, ctx_worker_id: str, endpoint: str) -> None:
         self.owner = owner
@@ -52,20 +77,47 @@ class _ReceiverPair:
         self.queue: deque[_RecvOp] = deque()
         self.endpoint = endpoint
         self.epoch = 0
-        self.next_seq = 0
+        self.next_seq = self._first_seq()
         self.stopping = False
         self.store: dist.TCPStore | None = None  # the pair thread's; reconnected on reset
         self.store_endpoint = ""
         self.group: PairGroup | None = None
         self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
+        # eager set-up (under cond): the group open and serving, when to try the next open
+        self.opened: str | None = None
+        self.open_failures = 0  # consecutive failed opens (the backoff's step)
+        self.retry_at = 0.0
+        self.attempted = False  # an open of this endpoint finished (either way)
+        self.stats = {"opens": 0, "open_failures": 0, "reissued": 0, "poisoned": 0}
+        # group -> why its PairOpen failed (the context side refused it, or the control call
+        # failed): its rendezvous is abandoned at once. Only the group being opened is kept.
+        self.refused: dict[str, str] = {}
+        self.last_error = ""
         self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-recv-{ctx_worker_id}",
                                        daemon=True)
         self.thread.start()
 
     @property
+    def eager(self) -> bool:
+        return self.owner.control is not None
+
+    def _first_seq(self) -> int:
+        return 1 if self.eager else 0  # op 0 of an eager group is its PairOpen
+
+    @property
     def group_name(self) -> str:
         return group_name(self.ctx_worker_id, self.owner.worker_id, self.owner.incarnation,
                           self.epoch)
+
+    def state(self) -> str:
+        with self.cond:
+            if self.owner.is_gone(self.endpoint):
+                return PairState.GONE
+            if not self.eager:
+                return PairState.LAZY
+            if self.opened == self.group_name:
+                return PairState.READY
+            return PairState.DOWN if self.open_failures else PairState.OPENING
 
     def set_endpoint(self, endpoint: str) -> None:
         """A restarted context worker has a new store address: later ops use a new group, and
@@ -80,6 +132,8 @@ class _ReceiverPair:
             else:
                 stale, self.endpoint = self.endpoint, endpoint
                 doomed = self._reset_locked()
+                self.open_failures, self.retry_at, self.attempted = 0, 0.0, False
+                self.cond.notify()
         self.owner.mark_gone(stale, _notify_pair=False)
         for op in doomed:
             self.owner.sessions.fail(op.gen_request_id, "context worker moved to a new endpoint")
@@ -113,7 +167,8 @@ class _ReceiverPair:
 
     def _reset_locked(self) -> list[_RecvOp]:
         self.epoch += 1
-        self.next_seq = 0
+        self.next_seq = self._first_seq()
+        self.opened = None
         doomed = list(self.queue)
         self.queue.clear()
         return doomed
@@ -123,21 +178,35 @@ class _ReceiverPair:
     def _run(self) -> None:
         sessions = self.owner.sessions
         while True:
+            op: _RecvOp | None = None
             with self.cond:
-                while not self.queue and not self.stopping:
-                    self.cond.wait()
+                while not self.stopping:
+                    if self._needs_open_locked():
+                        wait_s = self.retry_at - time.monotonic()
+                        if wait_s <= 0:
+                            break
+                        self.cond.wait(wait_s)
+                    elif self.queue:
+                        op = self.queue.popleft()
+                        break
+                    else:
+                        self.cond.wait()
                 if self.stopping:
                     doomed = list(self.queue)
                     self.queue.clear()
                 else:
                     doomed = []
-                    op = self.queue.popleft()
-                    current, endpoint = self.group_name, self.endpoint
+                current, endpoint = self.group_name, self.endpoint
             for d_op in doomed:
                 sessions.fail(d_op.gen_request_id, "transport closed")
             if self.stopping:
                 self._drop_group(store_too=True)
                 return
+            if op is None:
+                self._open(current, endpoint)
+                continue
+            # A session final by now (cancelled, past its deadline) still runs its op: the
+            # context side sends a header for every seq, and the op streams must pair up.
             if op.descriptor.group != current:
                 sessions.fail(op.gen_request_id, "pair group was reset before this transfer began")
                 continue
@@ -147,14 +216,98 @@ class _ReceiverPair:
                 continue
             self._execute(op, endpoint)
 
-    def _poison(self, reason: str, group: str) -> None:
-        """The op on ``group`` failed. The ops queued behind it are doomed only if that group
-        is still current: after a reset (new endpoint) they belong to a newer group."""
+    def _needs_open_locked(self) -> bool:
+        return (self.eager and self.opened != self.group_name
+                and not self.owner.is_gone(self.endpoint))
+
+    def open_answered(self, group: str, ok: bool, reason: str) -> None:
+        """The answer to a PairOpen (from any thread); a failure abandons that open."""
+        if not ok:
+            with self.cond:
+                if group == self.group_name:
+                    self.refused = {group: reason or "refused"}
+
+    def _open(self, name: str, endpoint: str) -> None:
+        """Set group ``name`` up: PairOpen to the context worker, the rendezvous, and the OPEN
+        header (op 0). Also where a NCCL communicator gets created: never inside a transfer."""
         with self.cond:
-            doomed = self._reset_locked() if group == self.group_name else []
+            self.refused = {}
+        deadline = Deadline(self.owner.config.connect_timeout_s)
+        open_msg = PairOpen(name, self.owner.worker_id, self.owner.config.connect_timeout_s)
+        try:
+            self.owner.send_control(self.ctx_worker_id, endpoint, encode_message(open_msg),
+                                    f"kv_pair_open {self.ctx_worker_id}->{self.owner.worker_id} "
+                                    f"epoch={self.epoch}")
+            group = self._ensure_group(name, endpoint, deadline)
+            hdr = header_tensor(self.owner.pool.device)
+            deadline.wait(group.recv(hdr, wire_tag(0, 0)), "open header recv")
+            header = WireHeader.from_ints(hdr.tolist())
+            if header.seq != 0 or header.status != WireStatus.OPEN:
+                raise ProtocolError(f"header {header} does not open group {name}")
+        except Exception as exc:  # noqa: BLE001 - a failed open is retried after a backoff
+            why = failure_reason(exc)
+            with self.cond:
+                self.attempted = True
+                self.open_failures += 1
+                self.stats["open_failures"] += 1
+                self.last_error = why
+                step = OPEN_BACKOFF_S[min(self.open_failures, len(OPEN_BACKOFF_S)) - 1]
+                self.retry_at = time.monotonic() + step
+            log.warning("%s: KV pair group %s failed to open (%s); next try in %.1f s",
+                        self.owner.worker_id, name, why, step)
+            self._poison(why, name)
+            return
+        with self.cond:
+            self.attempted = True
+            if name == self.group_name:
+                self.opened = name
+                self.open_failures = 0
+                self.stats["opens"] += 1
+                self.cond.notify()
+
+    def _poison(self, reason: str, group: str) -> None:
+        """The op (or open) on ``group`` failed; the group is dropped. Eager: the ops queued
+        behind it never began, so they move to the next group (re-issued there). Lazy: they
+        fail. Nothing changes for ops when ``group`` is no longer current (a reset came
+        first)."""
+        reissued: list[KVRequest] = []
+        doomed: list[_RecvOp] = []
+        with self.cond:
+            if group == self.group_name:
+                self.stats["poisoned"] += 1
+                self.last_error = reason
+                if self.eager:
+                    self.epoch += 1
+                    self.next_seq = self._first_seq()
+                    self.opened = None
+                    kept: deque[_RecvOp] = deque()
+                    for op in self.queue:
+                        msg = self.owner.sessions.reissue(op.gen_request_id, group=self.group_name,
+                                                          seq=self.next_seq)
+                        if msg is None:
+                            continue  # final or past its deadline: poll hands it back
+                        self.next_seq += 1
+                        op.descriptor = dataclasses.replace(op.descriptor, group=msg.group,
+                                                            seq=msg.seq)
+                        kept.append(op)
+                        reissued.append(msg)
+                    self.queue = kept
+                    self.stats["reissued"] += len(reissued)
+                    self.cond.notify()
+                else:
+                    doomed = self._reset_locked()
+            endpoint = self.endpoint
         self._drop_group(store_too=True)
         for op in doomed:
             self.owner.sessions.fail(op.gen_request_id, f"pair group poisoned: {reason}")
+        for msg in reissued:
+            try:
+                self.owner.send_control(self.ctx_worker_id, endpoint, encode_message(msg),
+                                        f"kv_transfer req={msg.gen_request_id} "
+                                        f"{self.ctx_worker_id}->{self.owner.worker_id} "
+                                        f"blocks={msg.num_blocks} (re-issued)")
+            except Exception as exc:  # noqa: BLE001 - the sink failed: so did this transfer
+                self.owner.sessions.fail(msg.gen_request_id, f"re-issue: {failure_reason(exc)}")
 
     def _drop_group(self, *, store_too: bool) -> None:
         if self.group is not None:
@@ -181,7 +334,15 @@ class _ReceiverPair:
                 self.owner.mark_gone(endpoint)
                 raise RuntimeError(f"context endpoint {endpoint} is gone (its port was reused)")
             self.store, self.store_endpoint = store, endpoint
-        self.group = PairGroup(self.store, name, GEN_RANK, self.owner.pool.device, left)
+        store = self.store
+        # The rendezvous waits for the context side, which joins when it runs the op: on a
+        # helper thread, so that a refused open (or a replaced endpoint) ends it at once.
+        self.group = run_abandonable(
+            lambda: PairGroup(store, name, GEN_RANK, self.owner.pool.device, left), left,
+            thread_name=f"pdserve-kv-rendezvous-{self.ctx_worker_id}",
+            what=f"the rendezvous of {name}",
+            abandoned=lambda: ("the endpoint is gone or replaced" if self._abandoned(endpoint)
+                               else self.refused.get(name)))
         return self.group
 
     def _abandoned(self, endpoint: str) -> bool:
@@ -279,8 +440,12 @@ class KVReceiver:
     """
 
     def __init__(self, worker_id: str, pool: KVPool, *, config: TransportConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 control: ControlSink | None = None) -> None:
         self.worker_id = worker_id
+        # Set (before the first pair exists) by a worker that can reach context workers itself:
+        # its pairs then set their groups up eagerly and heal themselves (``_ReceiverPair``).
+        self.control = control
         self.pool = pool
         self.config = config or TransportConfig()
         self.layout = layout_of(pool)
@@ -313,6 +478,49 @@ class KVReceiver:
                 pairs = list(self._pairs.values())
             for pair in pairs:
                 pair.endpoint_gone(endpoint)
+
+    def send_control(self, ctx_worker_id: str, endpoint: str, payload: bytes, name: str) -> None:
+        if self.control is None:
+            raise RuntimeError("no control sink: this receiver cannot reach context workers")
+        self.control(ctx_worker_id, endpoint, payload, name)
+
+    def connect_peers(self, peers: dict[str, str]) -> None:
+        """The context workers (id -> KV endpoint) to set pairs up with now, before any request
+        needs one. A new endpoint for a known worker (it restarted) resets that pair."""
+        for ctx_worker_id, endpoint in peers.items():
+            if endpoint and not self.is_gone(endpoint):
+                self._pair(ctx_worker_id, endpoint)
+
+    def pair_states(self) -> dict[str, str]:
+        """ctx worker id -> ``PairState`` of each pair."""
+        with self._lock:
+            pairs = dict(self._pairs)
+        return {w: p.state() for w, p in sorted(pairs.items())}
+
+    def pairs_settled(self) -> bool:
+        """Every pair's first open has finished (either way): a worker reports healthy only
+        then, so that no request meets a pair that is still setting up."""
+        with self._lock:
+            pairs = list(self._pairs.values())
+        return all(not p.eager or p.attempted or p.state() == PairState.GONE for p in pairs)
+
+    def pair_stats(self) -> dict[str, dict[str, object]]:
+        """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error."""
+        with self._lock:
+            pairs = dict(self._pairs)
+        out = {}
+        for w, p in sorted(pairs.items()):
+            state = p.state()
+            with p.cond:
+                out[w] = {"state": state, "epoch": p.epoch, **p.stats, "last_error": p.last_error}
+        return out
+
+    def break_pair(self, ctx_worker_id: str) -> bool:
+        """Fault injection: cut the pair group's connections (see ``KVSender.break_pair``)."""
+        with self._lock:
+            pair = self._pairs.get(ctx_worker_id)
+        group = pair.group if pair is not None else None
+        return group is not None and group.cut() > 0
 
     def pair_endpoint(self, ctx_worker_id: str) -> str | None:
         """The endpoint the pair with this context worker currently uses (None: no pair yet)."""
@@ -368,11 +576,22 @@ class KVReceiver:
         self.on_done(msg)
 
     def on_done(self, done: TransferDone) -> None:
+        if done.transfer_id < 0:  # the answer to a PairOpen
+            if not done.ok:
+                log.warning("%s: pair open %s failed: %s", self.worker_id, done.group, done.reason)
+                with self._lock:
+                    pairs = list(self._pairs.values())
+                for pair in pairs:
+                    pair.open_answered(done.group, done.ok, done.reason)
+            return
         if done.ok:
             return
         rid = self.sessions.find_transfer(done.transfer_id, done.ctx_request_id)
-        if rid is not None:
-            self.sessions.fail(rid, f"context side: {done.reason}")
+        if rid is None:
+            return
+        if done.group and self.sessions.current_op(rid) != (done.group, done.seq):
+            return  # the answer of an op re-issued since on a newer group
+        self.sessions.fail(rid, f"context side: {done.reason}")
 
     def cancel(self, gen_request_id: int, reason: str = "cancelled") -> CancelTransfer | None:
         """Cancel; returns the message to forward to the context worker when a KV request had

@@ -1,6 +1,11 @@
 """Context side of the KV data plane: ``KVSender`` owns the TCPStore that pair groups rendezvous
 on and one thread per generation worker (``_SenderPair``) that sends the KV requests' blocks,
 in seq order (pair protocol and failure rule: ``kv_groups``).
+
+A generation worker that sets its groups up eagerly opens each with a ``PairOpen`` (op 0 of
+the group: an OPEN header, no payload). When a group breaks, only the op in flight on it
+fails: claimed ops that never began give their claim back (the blocks stay leased) and are
+answered ``retryable``, so the generation side re-issues them on the rebuilt group.
 """
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ from .kv_groups import (
     TransportConfig, as_timedelta, failure_reason, header_tensor, layout_of,
 )
 from .protocol import (
-    CancelTransfer, KVRequest, ProtocolError, TransferDescriptor, TransferDone, TransferRejected,
-    WireHeader, WireStatus, choose_chunking, consecutive_fraction, decode_message,
-    encode_message, group_order, wire_tag,
+    CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
+    TransferRejected, WireHeader, WireStatus, choose_chunking, consecutive_fraction,
+    decode_message, encode_message, group_order, wire_tag,
 )
 from .session_sides import SenderSessions
 from .sessions import TransferResult
@@ -33,11 +38,27 @@ RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy
 
 @dataclass(slots=True)
 class _SendOp:
-    request: KVRequest
-    descriptor: TransferDescriptor | None  # None: refused, the op sends a header only
+    request: KVRequest | PairOpen  # PairOpen: op 0 of a group, a header of status OPEN only
+    descriptor: TransferDescriptor | None  # None: refused (or an open), a header only
     reason: str  # why refused; "" when claimed
     deadline: Deadline
     future: Future = field(default_factory=Future)
+
+    @property
+    def group(self) -> str:
+        return self.request.group
+
+    @property
+    def seq(self) -> int:
+        return 0 if isinstance(self.request, PairOpen) else self.request.seq
+
+    def done(self, ok: bool, reason: str, nbytes: int = 0, seconds: float = 0.0, *,
+             retryable: bool = False) -> TransferDone:
+        """The answer to this op (transfer id -1 for an open)."""
+        req = self.request
+        tid, crid = (-1, -1) if isinstance(req, PairOpen) else (req.transfer_id, req.ctx_request_id)
+        return TransferDone(tid, crid, ok, reason, nbytes, seconds, group=req.group,
+                            seq=self.seq, retryable=retryable)
 
 
 class _SenderPair:
@@ -56,26 +77,27 @@ class _SenderPair:
         self.stopping = False
         self.group: PairGroup | None = None  # touched by the pair thread only
         self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
-        self._doomed: list[tuple[_SendOp, str]] = []
+        self._doomed: list[tuple[_SendOp, str, bool]] = []  # (op, why, may be re-issued)
         self.thread = threading.Thread(target=self._run, name=f"pdserve-kv-send-{gen_worker_id}",
                                        daemon=True)
         self.thread.start()
 
     def enqueue(self, op: _SendOp) -> None:
-        g, seq = op.request.group, op.request.seq
+        g, seq = op.group, op.seq
+        retryable = False
         with self.cond:
             if self.stopping:
                 reason = "transport closed"
             elif g in self.retired or (self.current is not None
                                        and group_order(g) < group_order(self.current)):
-                reason = f"pair group {g} was retired"
+                reason, retryable = f"pair group {g} was retired", True
             elif seq in self.pending.get(g, {}) or (g == self.current and seq < self.next_seq):
                 reason = f"duplicate seq {seq} on pair group {g}"
             else:
                 self.pending.setdefault(g, {})[seq] = op
                 self.cond.notify()
                 return
-        self.owner._abandon(op, reason)
+        self.owner._abandon(op, reason, retryable=retryable)
 
     def stop(self) -> None:
         with self.cond:
@@ -89,8 +111,8 @@ class _SenderPair:
             with self.cond:
                 op = self._next_locked()
                 doomed, self._doomed = self._doomed, []
-            for d_op, reason in doomed:
-                self.owner._abandon(d_op, reason)
+            for d_op, reason, retryable in doomed:
+                self.owner._abandon(d_op, reason, retryable=retryable)
             if self.group is not None and self.group.name in self.retired:
                 self._drop_group()  # the peer's pending ops on it fail now, not at a deadline
             if op is None:
@@ -105,7 +127,7 @@ class _SenderPair:
         while True:
             if self.stopping:
                 for g in list(self.pending):
-                    self._retire_locked(g, "transport closed")
+                    self._retire_locked(g, "transport closed", retryable=False)
                 return None
             newer = [g for g in self.pending if g != self.current]
             if newer:
@@ -125,15 +147,18 @@ class _SenderPair:
                 wait_s = min(o.deadline.at for o in ops.values()) - time.monotonic()
                 if wait_s <= 0:
                     assert self.current is not None
-                    self._retire_locked(self.current, f"seq {self.next_seq} never arrived")
+                    # past the deadline of every op waiting: nothing left to re-issue
+                    self._retire_locked(self.current, f"seq {self.next_seq} never arrived",
+                                        retryable=False)
                     return None
                 self.cond.wait(wait_s)
             else:
                 self.cond.wait()
 
-    def _retire_locked(self, g: str, reason: str) -> None:
+    def _retire_locked(self, g: str, reason: str, *, retryable: bool = True) -> None:
+        """Drop group ``g``. Its queued ops never began: their claims go back (retryable)."""
         self.retired.add(g)
-        self._doomed.extend((op, reason) for op in self.pending.pop(g, {}).values())
+        self._doomed.extend((op, reason, retryable) for op in self.pending.pop(g, {}).values())
 
     def _poison(self, reason: str) -> None:
         with self.cond:
@@ -141,8 +166,8 @@ class _SenderPair:
                 self._retire_locked(self.current, f"pair group poisoned: {reason}")
             doomed, self._doomed = self._doomed, []
         self._drop_group()
-        for op, why in doomed:
-            self.owner._abandon(op, why)
+        for op, why, retryable in doomed:
+            self.owner._abandon(op, why, retryable=retryable)
 
     def _drop_group(self) -> None:
         if self.group is not None:
@@ -158,7 +183,28 @@ class _SenderPair:
         self.group = PairGroup(self.owner._store, name, CTX_RANK, self.owner.pool.device, left)
         return self.group
 
+    def _open(self, op: _SendOp) -> None:
+        """Op 0 of an eagerly set-up group: the rendezvous, then an OPEN header (which also
+        creates a NCCL communicator here, not inside a transfer)."""
+        t0 = time.perf_counter()
+        try:
+            group = self._ensure_group(op.group, op.deadline)
+            hdr = header_tensor(self.owner.pool.device,
+                                WireHeader(0, int(WireStatus.OPEN), -1, -1, 0, 0, 0, 0).to_ints())
+            op.deadline.wait(group.send(hdr, wire_tag(0, 0)), "open header send")
+        except Exception as exc:  # noqa: BLE001 - a failed open poisons the group like an op
+            why = failure_reason(exc)
+            self._poison(why)
+            self.owner._abandon(op, why)
+            return
+        with self.cond:
+            self.next_seq += 1
+        op.future.set_result(op.done(True, "", seconds=time.perf_counter() - t0))
+
     def _execute(self, op: _SendOp) -> None:
+        if isinstance(op.request, PairOpen):
+            self._open(op)
+            return
         req, d, sessions, pool = op.request, op.descriptor, self.owner.sessions, self.owner.pool
         proceed, t0 = False, time.perf_counter()
         try:
@@ -201,8 +247,7 @@ class _SenderPair:
             self.next_seq += 1
         if proceed and d is not None:
             sessions.op_finished(d.ctx_request_id, ok=True, nbytes=nbytes, seconds=seconds)
-        op.future.set_result(TransferDone(req.transfer_id, req.ctx_request_id, proceed, reason,
-                                          nbytes, seconds))
+        op.future.set_result(op.done(proceed, reason, nbytes, seconds))
 
     def _send_payload(self, group: PairGroup, d: TransferDescriptor, mover: BlockMover,
                       deadline: Deadline) -> None:
@@ -303,14 +348,34 @@ class KVSender:
             return False
         return self.sessions.cancel(ctx_request_id, reason)
 
+    def open(self, msg: PairOpen) -> Future:
+        """Queue op 0 of a new pair group (``PairOpen``); the future resolves to its
+        TransferDone (transfer id -1) once the group is set up and the OPEN header sent."""
+        op = _SendOp(msg, None, "", Deadline(msg.timeout_s))
+        try:
+            group_order(msg.group)
+        except ProtocolError as exc:
+            self._abandon(op, str(exc))
+            return op.future
+        self._pair(msg.gen_worker_id).enqueue(op)
+        return op.future
+
     def handle(self, payload: bytes) -> bytes | None:
-        """A control message from a generation worker: a KV request (answered with an encoded
-        TransferDone once the send is over) or a cancel (no answer)."""
+        """A control message from a generation worker: a KV request or a pair open (each
+        answered with an encoded TransferDone once it is over) or a cancel (no answer)."""
         msg = decode_message(payload)
         if isinstance(msg, CancelTransfer):
             self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
                         gen_worker_id=msg.gen_worker_id)
             return None
+        if isinstance(msg, PairOpen):
+            future = self.open(msg)
+            try:
+                done = future.result(timeout=msg.timeout_s + 5.0)
+            except TimeoutError:
+                done = TransferDone(-1, -1, False, "pair thread did not answer in time", 0, 0.0,
+                                    group=msg.group, seq=0)
+            return encode_message(done)
         if not isinstance(msg, KVRequest):
             raise ProtocolError(f"a context worker does not take {type(msg).__name__}")
         future = self.submit(msg)
@@ -318,11 +383,21 @@ class KVSender:
             done = future.result(timeout=msg.timeout_s + self.config.connect_timeout_s + 5.0)
         except TimeoutError:
             done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
-                                "pair thread did not answer in time", 0, 0.0)
+                                "pair thread did not answer in time", 0, 0.0, group=msg.group,
+                                seq=msg.seq)
         return encode_message(done)
 
     def poll(self) -> list[TransferResult]:
         return self.sessions.poll()
+
+    def break_pair(self, gen_worker_id: str) -> bool:
+        """Fault injection: cut the pair group's connections, as a dying peer or a broken
+        network would (pending ops fail at once on both sides; the generation side rebuilds
+        the group). False if there is no group or nothing to cut."""
+        with self._lock:
+            pair = self._pairs.get(gen_worker_id)
+        group = pair.group if pair is not None else None
+        return group is not None and group.cut() > 0
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._lock:
@@ -342,11 +417,18 @@ class KVSender:
                     pair.stop()
             return pair
 
-    def _abandon(self, op: _SendOp, reason: str, *, fail_session: bool = True) -> None:
-        """An op that will not (or did not) send its payload: fail its session, answer."""
-        if fail_session and op.descriptor is not None:
-            self.sessions.fail(op.descriptor.ctx_request_id, reason)
+    def _abandon(self, op: _SendOp, reason: str, *, fail_session: bool = True,
+                 retryable: bool = False) -> None:
+        """An op that will not (or did not) send its payload: answer it. Its session fails,
+        unless the op never began and was dropped with its group (``retryable``): then the
+        claim goes back and the blocks stay leased for a re-issue. Either touches the
+        session only while this op still holds its claim."""
+        d = op.descriptor
+        if fail_session and d is not None:
+            if retryable:
+                retryable = self.sessions.release_claim(d)
+            else:
+                self.sessions.fail_claim(d, reason)
         if not op.future.done():
-            op.future.set_result(TransferDone(op.request.transfer_id, op.request.ctx_request_id,
-                                              False, reason, 0, 0.0))
+            op.future.set_result(op.done(False, reason, retryable=retryable))
 

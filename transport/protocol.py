@@ -145,6 +145,28 @@ class TransferDone:
     # Refused because the KV endpoint the request was meant for belongs to a previous
     # incarnation of the context worker: nothing aimed at that endpoint can succeed any more.
     endpoint_gone: bool = False
+    # The op this answers: a generation side that re-issued the transfer on a newer group
+    # ignores the answer of the old op. ("", -1) from a peer that predates these fields.
+    group: str = ""
+    seq: int = -1
+    # The op never began and the context side kept the blocks leased: the generation side
+    # may ask again (on a rebuilt group) within the deadline.
+    retryable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PairOpen:
+    """gen -> ctx: set up pair group ``group`` now, as its op 0 (a header of status OPEN and no
+    payload), so that no transfer ever pays the rendezvous or a lazy communicator creation.
+    Answered with a TransferDone(transfer_id=-1) for that group once the header is sent."""
+
+    group: str
+    gen_worker_id: str
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ProtocolError("pair_open timeout_s must be positive and finite")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +179,7 @@ class CancelTransfer:
     reason: str
 
 
-Message = KVRequest | TransferDone | CancelTransfer
+Message = KVRequest | TransferDone | CancelTransfer | PairOpen
 _INT, _STR, _FLOAT, _BOOL, _INTS, _SHAPE = "int", "str", "float", "bool", "ints", "shape"
 _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     "kv_request": (KVRequest, {
@@ -168,15 +190,18 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
     }),
     "done": (TransferDone, {
         "transfer_id": _INT, "ctx_request_id": _INT, "ok": _BOOL, "reason": _STR,
-        "nbytes": _INT, "seconds": _FLOAT, "endpoint_gone": _BOOL,
+        "nbytes": _INT, "seconds": _FLOAT, "endpoint_gone": _BOOL, "group": _STR, "seq": _INT,
+        "retryable": _BOOL,
     }),
+    "pair_open": (PairOpen, {"group": _STR, "gen_worker_id": _STR, "timeout_s": _FLOAT}),
     "cancel": (CancelTransfer, {
         "transfer_id": _INT, "ctx_request_id": _INT, "gen_worker_id": _STR, "reason": _STR,
     }),
 }
 _TYPE_OF = {cls: name for name, (cls, _) in _SCHEMAS.items()}
 # Fields a message may leave out (added after version 1 shipped): their value when absent.
-_DEFAULTS: dict[str, dict[str, Any]] = {"done": {"endpoint_gone": False}}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "done": {"endpoint_gone": False, "group": "", "seq": -1, "retryable": False}}
 
 
 def _is_int(v: Any) -> bool:
@@ -242,6 +267,7 @@ class WireStatus(enum.IntEnum):
     OK = 0  # payload chunks follow
     REJECTED = 1  # no payload: the context side refused the request
     CANCELLED = 2  # no payload: cancelled or past its deadline before the send began
+    OPEN = 3  # op 0 of a group set up by PairOpen: no payload, no transfer
 
 
 class WireHeader(NamedTuple):

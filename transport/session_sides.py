@@ -9,10 +9,11 @@ prefix cache never travel (reference 7.3, "only the last k block ids are sent").
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
-from .protocol import KVLayout, KVRequest, TransferDescriptor, TransferRejected
+from .protocol import KVLayout, KVRequest, TransferDescriptor, TransferRejected, group_order
 from .sessions import (
     _RECV_EDGES, _SEND_EDGES, MAX_TRANSFER_RECORDS, Clock, RecvState, SendState, TransitionError,
     _Session, _Sessions,
@@ -21,7 +22,9 @@ from .sessions import (
 
 class SenderSessions(_Sessions):
     """Context side: LEASED -> SENDING -> SENT | FAILED | CANCELLED, and LEASED -> EXPIRED |
-    CANCELLED."""
+    CANCELLED. SENDING -> LEASED (``release_claim``) when the claiming op was dropped with its
+    pair group before it began; the same transfer may then claim again, or re-claim at once
+    on a newer group of the same generation worker (``claim``)."""
 
     _side = "send"
     _edges = _SEND_EDGES
@@ -43,11 +46,20 @@ class SenderSessions(_Sessions):
                                self._clock() + lease_s))
 
     def claim(self, req: KVRequest) -> TransferDescriptor:
-        """LEASED -> SENDING for a KV request; raises TransferRejected if it cannot be served."""
+        """LEASED -> SENDING for a KV request; raises TransferRejected if it cannot be served.
+        A transfer re-issued on a newer pair group (its first op was queued on a group that
+        broke) takes over its own claim while that op has not begun."""
         with self._lock:
             s = self._sessions.get(req.ctx_request_id)
             if s is None:
                 raise TransferRejected(f"unknown context request {req.ctx_request_id}")
+            d = s.descriptor
+            if (s.state == SendState.SENDING and not s.in_flight and d is not None
+                    and (d.transfer_id, d.gen_worker_id) == (req.transfer_id, req.gen_worker_id)
+                    and group_order(req.group) > group_order(d.group)):
+                s.descriptor = dataclasses.replace(d, seq=req.seq, group=req.group)
+                s.deadline = self._clock() + req.timeout_s
+                return s.descriptor
             if s.state != SendState.LEASED:
                 raise TransferRejected(f"context request {req.ctx_request_id} is {s.state.name}")
             if self._clock() >= s.deadline:
@@ -69,6 +81,26 @@ class SenderSessions(_Sessions):
             s.deadline = self._clock() + req.timeout_s
             self._transition(s, SendState.SENDING)
             return s.descriptor
+
+    def release_claim(self, d: TransferDescriptor) -> bool:
+        """SENDING -> LEASED when ``d`` is still the session's claim and its op never began (its
+        group was dropped first). The lease runs to the claim's deadline. False otherwise (the
+        transfer re-claimed on a newer group, or the session moved on)."""
+        with self._lock:
+            s = self._sessions.get(d.ctx_request_id)
+            if s is None or s.state != SendState.SENDING or s.in_flight or s.descriptor != d:
+                return False
+            self._transition(s, SendState.LEASED)
+            return True
+
+    def fail_claim(self, d: TransferDescriptor, reason: str) -> bool:
+        """Fail the session only while ``d`` is still its claim (an op of an older group must
+        not fail the transfer that re-claimed it on a newer one)."""
+        with self._lock:
+            s = self._sessions.get(d.ctx_request_id)
+            if s is None or s.descriptor != d:
+                return False
+            return self.fail(d.ctx_request_id, reason)
 
     def _expired_state(self, s: _Session) -> enum.IntEnum:
         return SendState.EXPIRED if s.state == SendState.LEASED else SendState.FAILED
@@ -128,6 +160,29 @@ class ReceiverSessions(_Sessions):
             self._next_transfer_id += 1
             remaining = max(s.deadline - self._clock(), 1e-3)
             return KVRequest.for_descriptor(s.descriptor, remaining)
+
+    def reissue(self, gen_request_id: int, *, group: str, seq: int) -> KVRequest | None:
+        """A REQUESTED op whose group broke before it began gets a new place (group, seq) on the
+        rebuilt group, with the same transfer id and deadline. None when the session is no
+        longer waiting for its op (final, receiving, or past its deadline)."""
+        with self._lock:
+            s = self._sessions.get(gen_request_id)
+            if s is None or s.state != RecvState.REQUESTED or s.in_flight:
+                return None
+            remaining = s.deadline - self._clock()
+            if remaining <= 0:
+                return None
+            assert s.descriptor is not None
+            s.descriptor = dataclasses.replace(s.descriptor, seq=seq, group=group)
+            return KVRequest.for_descriptor(s.descriptor, remaining)
+
+    def current_op(self, gen_request_id: int) -> tuple[str, int] | None:
+        """(group, seq) of the session's op, or None when it has none."""
+        with self._lock:
+            s = self._sessions.get(gen_request_id)
+            if s is None or s.descriptor is None or s.descriptor.transfer_id < 0:
+                return None
+            return s.descriptor.group, s.descriptor.seq
 
     def find_transfer(self, transfer_id: int, ctx_request_id: int) -> int | None:
         """The generation request whose live session issued this transfer, if any."""

@@ -52,7 +52,9 @@ class RecvState(enum.IntEnum):
 
 _SEND_EDGES = {
     SendState.LEASED: {SendState.SENDING, SendState.EXPIRED, SendState.CANCELLED},
-    SendState.SENDING: {SendState.SENT, SendState.FAILED, SendState.CANCELLED},
+    # SENDING -> LEASED: a claimed op that never began was dropped with its pair group; the
+    # blocks stay leased for the generation side to ask again on the rebuilt group.
+    SendState.SENDING: {SendState.SENT, SendState.FAILED, SendState.CANCELLED, SendState.LEASED},
 }
 _RECV_EDGES = {
     RecvState.RESERVED: {RecvState.REQUESTED, RecvState.FAILED, RecvState.TIMED_OUT,

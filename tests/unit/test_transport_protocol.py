@@ -554,3 +554,89 @@ def test_done_endpoint_gone_is_a_field_and_may_be_absent():
     assert decode_message(_raw(**_done_body(ok=False, reason="x"))).endpoint_gone is False
     with pytest.raises(ProtocolError, match="endpoint_gone"):
         decode_message(_raw(**_done_body(endpoint_gone="yes")))
+
+
+# ---------------------------------------------------------------------------- self-healing pairs
+# A pair group that breaks fails only the op in flight on it: ops queued behind it move to the
+# rebuilt group (the generation side re-issues them, the context side gives their claims back).
+
+G0, G1 = "pdserve-kv/c/g/1/0", "pdserve-kv/c/g/1/1"
+
+
+def test_pair_open_and_the_new_done_fields_round_trip() -> None:
+    from pdserve.transport.protocol import PairOpen
+
+    opening = PairOpen(G1, "gen-0", 30.0)
+    assert decode_message(encode_message(opening)) == opening
+    with pytest.raises(ProtocolError, match="timeout_s"):
+        PairOpen(G1, "gen-0", 0.0)
+    done = TransferDone(3, 7, False, "superseded", 0, 0.0, group=G0, seq=4, retryable=True)
+    assert decode_message(encode_message(done)) == done
+    # A done from a peer that predates these fields names no op and is no retry.
+    old = decode_message(_raw(**_done_body(ok=False, reason="x")))
+    assert (old.group, old.seq, old.retryable) == ("", -1, False)
+
+
+def test_a_claim_dropped_with_its_group_goes_back_to_the_lease(tx: SenderSessions) -> None:
+    tx.lease(7, [1, 2, 3])
+    d = tx.claim(kv_request(7, group=G0))
+    assert tx.release_claim(d)
+    assert tx.state_of(7) == SendState.LEASED and tx.poll() == []
+    again = tx.claim(kv_request(7, group=G1))  # the re-issue claims it like a first request
+    assert again.group == G1 and tx.state_of(7) == SendState.SENDING
+
+
+def test_a_reissue_takes_over_its_own_claim_from_an_older_group(tx: SenderSessions,
+                                                                  clock: FakeClock) -> None:
+    tx.lease(7, [1, 2, 3])
+    old = tx.claim(kv_request(7, group=G0, timeout_s=5.0))
+    clock.advance(1.0)
+    new = tx.claim(kv_request(7, group=G1, timeout_s=5.0))  # the old op had not begun
+    assert (new.group, new.transfer_id) == (G1, old.transfer_id)
+    assert tx.remaining_s(7) == pytest.approx(5.0)
+    # The old op's answer touches nothing: the claim is the new op's now.
+    assert not tx.release_claim(old) and not tx.fail_claim(old, "pair group retired")
+    assert tx.state_of(7) == SendState.SENDING
+    # Not another transfer, not an older group, not one already on the wire.
+    with pytest.raises(TransferRejected, match="is SENDING"):
+        tx.claim(kv_request(7, group="pdserve-kv/c/g/1/2", transfer_id=99))
+    with pytest.raises(TransferRejected, match="is SENDING"):
+        tx.claim(kv_request(7, group=G0))
+    assert tx.begin_op(7)
+    with pytest.raises(TransferRejected, match="is SENDING"):
+        tx.claim(kv_request(7, group="pdserve-kv/c/g/1/2"))
+    assert not tx.release_claim(new)  # in flight: it fails or succeeds, never goes back
+    tx.op_finished(7, ok=False, nbytes=0, seconds=0.1, reason="connection closed")
+    assert tx.poll()[0].state == SendState.FAILED
+
+
+def test_a_released_lease_still_expires(tx: SenderSessions, clock: FakeClock) -> None:
+    tx.lease(7, [1, 2, 3])
+    d = tx.claim(kv_request(7, group=G0, timeout_s=2.0))
+    assert tx.release_claim(d)
+    clock.advance(2.5)  # nobody re-issued it (the generation worker died): the blocks go
+    assert tx.check_deadlines() == 1
+    assert tx.poll()[0].state == SendState.EXPIRED
+
+
+def test_reissue_moves_a_queued_op_to_the_new_group(rx: ReceiverSessions, clock: FakeClock) -> None:
+    reserve(rx, timeout_s=10.0)
+    first = rx.request(1, group=G0, seq=3)
+    clock.advance(4.0)
+    again = rx.reissue(1, group=G1, seq=1)
+    assert again is not None
+    assert (again.group, again.seq, again.transfer_id) == (G1, 1, first.transfer_id)
+    assert again.timeout_s == pytest.approx(6.0)  # the same deadline, not a new one
+    assert rx.current_op(1) == (G1, 1)
+    assert rx.begin_op(1)
+    assert rx.reissue(1, group="pdserve-kv/c/g/1/2", seq=1) is None  # receiving: in flight
+    rx.op_finished(1, ok=True, nbytes=0, seconds=0.1)
+    assert rx.reissue(1, group="pdserve-kv/c/g/1/2", seq=1) is None  # final
+
+
+def test_no_reissue_past_the_deadline(rx: ReceiverSessions, clock: FakeClock) -> None:
+    reserve(rx, timeout_s=2.0)
+    rx.request(1, group=G0, seq=1)
+    clock.advance(2.0)
+    assert rx.reissue(1, group=G1, seq=1) is None
+    assert rx.current_op(1) == (G0, 1)
