@@ -63,6 +63,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int)
     parser.add_argument("--agent-types", help="comma-separated agent types for the agent-tree order")
     parser.add_argument("--agent-percentage", type=float)
+    parser.add_argument("--kv-connect-timeout", type=float, dest="connect_timeout_s", metavar="S",
+                        help="seconds a KV pair group may take to set up: the store connect and "
+                             "the rendezvous (default 30; raise it on a loaded machine)")
+    parser.add_argument("--kv-transfer-timeout", type=float, dest="transfer_timeout_s", metavar="S",
+                        help="seconds one KV transfer may take (default 30)")
     group = parser.add_argument_group("engine options (every worker)")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -103,7 +108,8 @@ def launch_config_from_args(args: argparse.Namespace):
     if args.port is not None:
         router["port"] = args.port
     top = {k: v for k, v in data.items() if k not in ("engine", "router")}
-    for key in ("model", "num_context_workers", "num_generation_workers", "placement"):
+    for key in ("model", "num_context_workers", "num_generation_workers", "placement",
+                "connect_timeout_s", "transfer_timeout_s"):
         value = getattr(args, key, None)
         if value is not None:
             top[key] = value

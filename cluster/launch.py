@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +45,9 @@ class LaunchConfig:
     metrics: bool = True
     stall_send_s: float = 0.0  # test hook for fault injection on the context workers
     max_restarts: int = 3  # per worker actor; -1: without limit
-    connect_timeout_s: float = 10.0  # KV store connect and pair-group rendezvous
+    # KV store connect and pair-group set-up. Pairs are set up before a worker reports healthy
+    # and rebuilt in the background, so a generous bound costs no request any latency.
+    connect_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1:
@@ -89,6 +92,10 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray runs worker processes at nice 15 by default: a restarting worker then imports torch
+    # at the back of the queue behind any busy process (measured on 2 busy cores: 25-44 s
+    # from kill to healthy, 4-6 s at nice 0; bench/recovery.py).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     if address:
         client_auth_env()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -158,6 +165,30 @@ class Cluster:
     model_dir: Path
     placement_group: Any
     http_port: int | None = None  # the OpenAI-compatible front door, when launched with one
+    router_config: Any = None  # the RouterConfig it was launched with (restart_router reuses it)
+    metrics: bool = True
+
+    def restart_router(self, *, kill: bool = True) -> int:
+        """Replace the router: kill it (as a crash would, when ``kill``) and start a new one on
+        the same workers, which are left running. Their request channels to the old router
+        closed with it, so every request it held was aborted there and its leased KV goes back
+        when the lease runs out. Returns the new gRPC port (the configured one, if fixed)."""
+        import ray
+
+        if kill:
+            ray.kill(self.router, no_restart=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:  # the name is free once Ray has the old actor dead
+            try:
+                ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the old router actor {ROUTER_NAME} did not go away")
+            time.sleep(0.1)
+        self.router, self.port, self.http_port = _start_router(
+            self.router_config, self.workers, self.model_dir, self.metrics)
+        return self.port
 
     def shutdown(self) -> None:
         import ray
@@ -183,7 +214,6 @@ def launch(cfg: LaunchConfig) -> Cluster:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pdserve.cluster.metrics import WorkerMetrics
-    from pdserve.cluster.router_actor import RouterActor
     from pdserve.workers.context_worker import ContextWorker
     from pdserve.workers.generation_worker import GenerationWorker
 
@@ -219,19 +249,31 @@ def launch(cfg: LaunchConfig) -> Cluster:
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
-    infos = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()], timeout=READY_TIMEOUT_S)))
-
-    http = (f", HTTP {cfg.router.http_host}:{cfg.router.http_port or 'any'}"
-            if cfg.router.http_port is not None else "")
-    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote(
-        f"gRPC {cfg.router.host}:{cfg.router.port or 'any'}{http}")
-    port = ray.get(router.start.remote(dataclasses.asdict(cfg.router), infos, str(model_dir), cfg.metrics),
-                   timeout=READY_TIMEOUT_S)
-    http_port = ray.get(router.http_port.remote(), timeout=READY_TIMEOUT_S)
+    router, port, http_port = _start_router(cfg.router, workers, model_dir, cfg.metrics)
     log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d%s",
              cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port,
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
-    return Cluster(router, workers, port, model_dir, pg, http_port)
+    return Cluster(router, workers, port, model_dir, pg, http_port, cfg.router, cfg.metrics)
+
+
+def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,
+                  metrics: bool) -> tuple[Any, int, int | None]:
+    """The router actor, started on ``workers`` (their current infos). Returns (handle, gRPC
+    port, HTTP port or None) once it serves: every worker heard and ready, or its wait over."""
+    import ray
+
+    from pdserve.cluster.router_actor import RouterActor
+
+    infos = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()],
+                                      timeout=READY_TIMEOUT_S)))
+    http = (f", HTTP {router_cfg.http_host}:{router_cfg.http_port or 'any'}"
+            if router_cfg.http_port is not None else "")
+    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote(
+        f"gRPC {router_cfg.host}:{router_cfg.port or 'any'}{http}")
+    port = ray.get(router.start.remote(dataclasses.asdict(router_cfg), infos, str(model_dir),
+                                       metrics), timeout=READY_TIMEOUT_S)
+    http_port = ray.get(router.http_port.remote(), timeout=READY_TIMEOUT_S)
+    return router, port, http_port
 
 
 def shutdown_all(namespace: str = NAMESPACE) -> list[str]:

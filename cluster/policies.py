@@ -349,25 +349,29 @@ def plan_retry(
     context_policy: WorkerPolicy,
     generation_policy: WorkerPolicy,
     mode: DisaggregationMode = DisaggregationMode.AUTO,
+    unready: Collection[tuple[str, str]] = (),
 ) -> RetryPlan:
     """The next attempt after failures (DESIGN.md lifecycle step 6). ``failed`` holds the
     (ctx, gen) pairs that failed; ctx None marks a failed local prefill on gen. Order: an untried
     pair, preferring workers not seen in any failure, then by the policies' ranks; then (unless
-    mode is ALWAYS) local prefill on an untried generation worker; else give up. Uses ``rank``
-    only, so policy state (round-robin position) is not advanced."""
+    mode is ALWAYS) local prefill on an untried generation worker; then an untried pair in
+    ``unready`` (its KV pair group is being set up: the transfer waits for it); else give up.
+    An unready pair is no failure of its workers. Uses ``rank`` only, so policy state
+    (round-robin position) is not advanced."""
     if retries_used >= max_retries:
         return RetryPlan(RetryAction.GIVE_UP, None, None, f"max_retries={max_retries} reached")
     failed_set = set(failed)
     failed_ctx = {c for c, _ in failed_set if c is not None}
     failed_gen = {g for _, g in failed_set}
     gens = [s.worker_id for s in generation_policy.rank(workers, prompt)]
+    pairs = []
     if mode != DisaggregationMode.NEVER:
         ctxs = [s.worker_id for s in context_policy.rank(workers, prompt)]
         pairs = [
-            ((c in failed_ctx) + (g in failed_gen), gi, ci, c, g)
+            ((c, g) in unready, (c in failed_ctx) + (g in failed_gen), gi, ci, c, g)
             for gi, g in enumerate(gens) for ci, c in enumerate(ctxs) if (c, g) not in failed_set
         ]
-        if pairs:
+        if pairs and not min(pairs)[0]:
             *_, c, g = min(pairs)
             return RetryPlan(RetryAction.PAIR, c, g, "untried context/generation pair")
     if mode != DisaggregationMode.ALWAYS:
@@ -375,6 +379,9 @@ def plan_retry(
         if local:
             best = min(local, key=lambda g: (g in failed_gen, gens.index(g)))
             return RetryPlan(RetryAction.LOCAL_PREFILL, None, best, "local prefill fallback")
+    if pairs:
+        *_, c, g = min(pairs)
+        return RetryPlan(RetryAction.PAIR, c, g, "untried pair whose KV group is being set up")
     return RetryPlan(RetryAction.GIVE_UP, None, None, "no untried healthy worker")
 
 
@@ -386,6 +393,7 @@ def plan_transfer_fallback(
     *,
     context_policy: WorkerPolicy,
     mode: DisaggregationMode = DisaggregationMode.AUTO,
+    unready: Collection[tuple[str, str]] = (),
 ) -> RetryPlan:
     """The next attempt after a KV transfer to ``gen_worker`` failed while both workers lived
     (``failed``: the pairs whose transfer failed so far). A failed transfer is not a dead worker,
@@ -400,8 +408,10 @@ def plan_transfer_fallback(
                          "local prefill after a failed KV transfer")
     if mode != DisaggregationMode.NEVER:
         tried = {c for c, g in failed if g == gen_worker and c is not None}
-        for s in context_policy.rank(workers, prompt, exclude=tried):
-            return RetryPlan(RetryAction.PAIR, s.worker_id, gen_worker,
+        ranked = [s.worker_id for s in context_policy.rank(workers, prompt, exclude=tried)]
+        # a pair whose group is set up first; one being set up only if there is no other
+        for c in sorted(ranked, key=lambda c: (c, gen_worker) in unready):
+            return RetryPlan(RetryAction.PAIR, c, gen_worker,
                              "another context worker after a failed KV transfer")
     return RetryPlan(RetryAction.GIVE_UP, None, None,
                      f"no other way to {gen_worker} after a failed KV transfer")

@@ -65,6 +65,14 @@ class RouterActor:
         if self.router is not None:
             self._on_loop(self.router.stop)
 
+    def worker_restarted(self, info) -> bool:
+        """A worker Ray restarted announces its new process (``WorkerInfo``) as soon as it is
+        up, so the router reconnects now instead of finding out on a refresh tick by calling
+        the restarting actor (which Ray holds for a second of death-info wait)."""
+        if self.router is None:
+            return False
+        return self._on_loop(lambda: self.router.registry.worker_restarted(info))
+
     def dispatch_log(self) -> list[str]:
         return self._on_loop(lambda: list(self.router.dispatch_log))
 

@@ -31,6 +31,7 @@ from pdserve.transport.requests import (
     Hello,
     HelloAck,
     KvEvents,
+    KvPeers,
     KvSnapshot,
     KvSnapshotQuery,
     ProtocolError,
@@ -154,6 +155,10 @@ class WorkerChannel:
 
     def abort(self, attempt_id: int) -> None:
         self._write(Abort(attempt_id))
+
+    def send_kv_peers(self, peers: dict[str, str]) -> None:
+        """A generation worker sets KV pairs up with these context workers (id -> endpoint)."""
+        self._write(KvPeers(dict(peers)))
 
     def ask_kv_snapshot(self) -> None:
         """The worker answers between two steps with its whole cache (KvSnapshot)."""

@@ -39,6 +39,7 @@ from pdserve.transport.requests import (
     HelloAck,
     KvEvents,
     KvSnapshot,
+    KvPeers,
     KvSnapshotQuery,
     ProtocolError,
     Refused,
@@ -136,6 +137,7 @@ class RequestChannelServer:
         self._lock = threading.Lock()
         self._stopping = False
         self._next_heartbeat = 0.0
+        self._ready_sent: tuple = ()
         # KV events: batches numbered per worker process (the router checks there is no gap).
         self._kv_events = host.executor.kv.kv_events
         self._kv_seq = 0
@@ -219,6 +221,9 @@ class RequestChannelServer:
                 if self._stopping:
                     return False
                 self._connections.add(conn)
+                # A new router (or a restarted worker's first one) hears a status at once, not
+                # at the next heartbeat slot: it is what makes this worker healthy there.
+                self._next_heartbeat = 0.0
             return True
         log.warning("request channel: %s refused: %s", conn.peer, why)
         conn.queue(Refused(why))
@@ -234,6 +239,8 @@ class RequestChannelServer:
                 conn.flush()  # answered at once (refused): no step will flush it
         elif isinstance(frame, Abort):
             self.host.abort(frame.request_id)
+        elif isinstance(frame, KvPeers):
+            self.host.connect_kv_peers(dict(frame.peers))  # thread-safe; pairs open on their threads
         elif isinstance(frame, KvSnapshotQuery):
             try:
                 self.host.post(lambda: self._answer_kv_snapshot(conn))
@@ -289,8 +296,12 @@ class RequestChannelServer:
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        if now < self._next_heartbeat:
+        ready = (self.host.ready, self.host.pair_states())
+        if now < self._next_heartbeat and ready == self._ready_sent:
             return
+        # out of turn when readiness changed (a generation worker's KV pairs are set up, or
+        # one went down or came back): the router routes by it from that heartbeat on
+        self._ready_sent = ready
         self._next_heartbeat = now + HEARTBEAT_S
         with self._lock:
             conns = list(self._connections)

@@ -20,6 +20,15 @@ class ContextWorker(RayWorker):
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
         return RayWorker.kv_transfer(self, payload, endpoint)
 
+    # Retried by Ray across a restart: a generation worker told of this worker's new endpoint
+    # may call before Ray has marked the restarted actor alive. An open is safe to repeat (a
+    # second one for the same group is refused; an old endpoint is answered endpoint_gone).
+    @ray.method(concurrency_group="control", max_task_retries=-1)
+    def kv_pair_open(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
+        """A generation worker sets its pair group up (``PairOpen``): on the control group,
+        never behind the transfers that wait for it."""
+        return RayWorker.kv_transfer(self, payload, endpoint)
+
     @ray.method(concurrency_group="control")
     def abort(self, request_id: int) -> bool:
         return RayWorker.abort(self, request_id)

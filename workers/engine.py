@@ -84,7 +84,7 @@ def build_executor(
 
 def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedModel,
                           config: EngineConfig, *, lease_s: float = 30.0,
-                          transfer_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+                          transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                           stall_send_s: Callable[[], float] | None = None) -> tuple[LoadedModel, Executor]:
     """A disaggregated worker's executor: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before

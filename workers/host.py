@@ -20,6 +20,7 @@ runs (the Ray actor exits so Ray restarts it).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -98,6 +99,15 @@ class WorkerHost:
         self.role = role
         self.config = config
         self.kv_control = KVControl(worker_id, executor.transceiver, control)
+        receiver = executor.transceiver.receiver if executor.transceiver is not None else None
+        self.receiver = receiver
+        if receiver is not None and control is not None:
+            # pairs set their groups up and heal themselves, sending their own control messages
+            receiver.control = self.kv_control.send_from_transport
+        # A generation worker reports healthy once it was told its context peers (KvPeers)
+        # and each pair's first set-up is over; other roles at once.
+        self.peers_known = receiver is None
+        self._joined = False
         self.metrics = metrics  # observe(executor) after steps, tick(executor) every turn
         self.faults = faults or Faults()
         self.on_fatal = on_fatal
@@ -240,18 +250,46 @@ class WorkerHost:
             request_endpoint=self.channel.endpoint if self.channel is not None else "",
             request_token=self.channel.token if self.channel is not None else "")
 
+    @property
+    def ready(self) -> bool:
+        """Alive, and (generation side) its KV pairs with the context peers it was told of
+        are set up, or tried: a pair that failed to open is left to routing, which sends no
+        transfer over a pair that is not ready."""
+        if not self.alive:
+            return False
+        if not self._joined:  # only joining waits for pairs; a peer's restart later must not
+            # make this worker unhealthy (the router routes around a pair that is not ready)
+            self._joined = self.receiver is None or (self.peers_known and self.receiver.pairs_settled())
+        return self._joined
+
+    def pair_states(self) -> dict[str, str]:
+        """ctx worker id -> its KV pair's state (generation side; empty otherwise)."""
+        return self.receiver.pair_states() if self.receiver is not None else {}
+
+    def connect_kv_peers(self, peers: dict[str, str]) -> None:
+        """The router's ``KvPeers``: set KV pairs up with these context workers now."""
+        if self.receiver is None:
+            return
+        self.receiver.connect_peers(peers)
+        self.peers_known = True
+
     def status(self, *, drain_events: bool) -> WorkerStatus:
         """On the loop thread: the worker's status as of its last step. ``drain_events``: take
         the transfer, pause and resume events since the previous drain (heartbeats do)."""
-        return worker_status(self.executor, self.worker_id, self.role, self.config,
-                             incarnation=self.incarnation, healthy=self.alive,
-                             drain_events=drain_events)
+        s = worker_status(self.executor, self.worker_id, self.role, self.config,
+                          incarnation=self.incarnation, healthy=self.ready,
+                          drain_events=drain_events)
+        if self.receiver is not None:
+            s = dataclasses.replace(s, kv_pairs=self.pair_states())
+        return s
 
     def status_map(self) -> dict[str, Any]:
         """On the loop thread, for tools and tests: ``Executor.status()`` (transfer records
         included) plus who this worker is."""
         s = self.executor.status(records=True)
-        s.update(worker_id=self.worker_id, role=self.role, healthy=self.alive, pid=os.getpid(),
+        if self.receiver is not None:
+            s["kv_pairs"] = self.receiver.pair_stats()
+        s.update(worker_id=self.worker_id, role=self.role, healthy=self.ready, pid=os.getpid(),
                  incarnation=self.incarnation, max_batch_size=self.config.max_batch_size,
                  tokens_per_block=self.config.tokens_per_block,
                  generated_tokens=self.executor.stats.generated_tokens,
@@ -264,6 +302,7 @@ class WorkerHost:
 
     def test_hook(self, name: str, *args: Any) -> Any:
         """``stall_send(seconds)``, ``slow_steps(seconds)`` (0 turns either off);
+        ``break_pair(peer_worker_id)``: cut that KV pair group's connections;
         ``leak_blocks(request_id, num_tokens)``: blocks held by no live request (an invariant
         violation); ``release_leak(request_id)``."""
         if name == "stall_send":
@@ -272,6 +311,12 @@ class WorkerHost:
         if name == "slow_steps":
             self.faults.slow_steps_s = float(args[0])
             return self.faults.slow_steps_s
+        if name == "break_pair":  # cut the KV pair group's connections with that peer, as a
+            # dying peer or a broken network would; the pair rebuilds itself. Only the side
+            # whose gloo listener accepted the connection can find it: False on the other.
+            t = self.executor.transceiver
+            side = None if t is None else (t.sender or t.receiver)
+            return side is not None and side.break_pair(str(args[0]))
         kv = self.executor.kv
         if name == "leak_blocks":
             rid, num_tokens = int(args[0]), int(args[1])

@@ -18,7 +18,9 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
 
-from pdserve.transport.protocol import KVRequest, TransferDone, decode_message, encode_message
+from pdserve.transport.protocol import (
+    KVRequest, PairOpen, TransferDone, decode_message, encode_message,
+)
 
 from . import events
 from .transceiver import ControlMessage, KVTransceiver
@@ -74,6 +76,11 @@ class KVControl:
             raise RuntimeError(f"{self.worker_id} has no KV sender")
         mine = endpoint is None or endpoint == transceiver.endpoint
         msg = decode_message(payload)
+        if isinstance(msg, PairOpen) and not mine:  # for a previous incarnation's store
+            return encode_message(TransferDone(-1, -1, False, f"endpoint gone: {endpoint}", 0, 0.0,
+                                               endpoint_gone=True, group=msg.group, seq=0))
+        if isinstance(msg, PairOpen):
+            return transceiver.sender.handle(payload)
         if not isinstance(msg, KVRequest):
             # a cancel for a previous incarnation: nothing of it is left here
             return transceiver.sender.handle(payload) if mine else None
@@ -98,6 +105,20 @@ class KVControl:
             done.seconds if isinstance(done, TransferDone) else 0.0, "FAILED", reason))
         raise KVTransferFailed(f"KV transfer of req={client} to {msg.gen_worker_id} failed: "
                                f"{reason}", reply or b"")
+
+    def send_from_transport(self, ctx_worker_id: str, endpoint: str, payload: bytes,
+                            name: str) -> None:
+        """The receiver's ``ControlSink``, from its pair threads: a pair open or a transfer
+        re-issued on a rebuilt group goes out now (not through the step loop's outbox, which
+        only drains while the loop has work). The context side orders a group's ops by seq,
+        so these may overtake the outbox."""
+        opening = isinstance(decode_message(payload), PairOpen)
+        message = ControlMessage(ctx_worker_id, payload, endpoint, name,
+                                 "kv_pair_open" if opening else "kv_transfer")
+        if self.control is None:
+            raise RuntimeError("no control plane to reach context workers")
+        wait = self.control.send(message)
+        self._pool.submit(self._await_reply, message, wait)
 
     def flush_outbox(self) -> None:
         transceiver = self.transceiver
@@ -134,12 +155,20 @@ class KVControl:
                 log.warning("%s: context worker %s restarted; endpoint %s is gone",
                             self.worker_id, message.ctx_worker_id, message.endpoint)
                 receiver.mark_gone(message.endpoint)
+            if isinstance(done, TransferDone) and done.transfer_id < 0:
+                receiver.on_done(done)  # a pair open's answer: for its pair thread, now
+                return
         self.transceiver.deliver_reply(reply)
 
     def _control_failed(self, message: ControlMessage, exc: BaseException) -> None:
         log.warning("%s: KV control message to %s failed: %r", self.worker_id,
                     message.ctx_worker_id, exc)
         msg = decode_message(message.payload)
+        if isinstance(msg, PairOpen):  # its rendezvous gives up now; the pair tries again soon
+            self.transceiver.receiver.on_done(TransferDone(
+                -1, -1, False, f"control plane to {message.ctx_worker_id}: {exc!r}", 0, 0.0,
+                group=msg.group, seq=0))
+            return
         if isinstance(msg, KVRequest):  # fail the receive now rather than at its deadline
             done = TransferDone(msg.transfer_id, msg.ctx_request_id, False,
                                 f"control plane to {message.ctx_worker_id}: {exc!r}", 0, 0.0)

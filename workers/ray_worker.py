@@ -29,7 +29,7 @@ from .config import EngineConfig
 from .engine import build_worker_executor
 from .host import Faults, WorkerHost
 from .kv_control import KVTransferFailed, PeerGone
-from .names import NAMESPACE, actor_name
+from .names import NAMESPACE, ROUTER_NAME, actor_name
 from .transceiver import ControlMessage
 
 log = logging.getLogger("pdserve.worker")
@@ -53,8 +53,8 @@ class RayControlPlane:
         if handle is None:
             handle = ray.get_actor(actor_name(message.ctx_worker_id), namespace=NAMESPACE)
             self._handles[message.ctx_worker_id] = handle
-        ref = handle.kv_transfer.options(name=message.task_name).remote(message.payload,
-                                                                        message.endpoint)
+        method = getattr(handle, message.method)  # kv_transfer, or kv_pair_open
+        ref = method.options(name=message.task_name).remote(message.payload, message.endpoint)
         return lambda: self._wait(message.ctx_worker_id, ref)
 
     def _wait(self, ctx_worker_id: str, ref) -> bytes | None:
@@ -84,7 +84,7 @@ class RayWorker:
                  lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  torch_threads: int | None = None,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
-                 connect_timeout_s: float = 10.0) -> None:
+                 connect_timeout_s: float = 30.0) -> None:
         import ray
         import torch
 
@@ -107,6 +107,21 @@ class RayWorker:
             faults=faults, on_fatal=self._on_fatal)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, executor.kv.num_blocks,
                  config.tokens_per_block)
+        self._announce_restart()
+
+    def _announce_restart(self) -> None:
+        """If a router runs already, this process is a restart (at launch the router starts
+        after the workers): tell it now, fire and forget, so it reconnects at once."""
+        import ray
+
+        try:
+            router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        except ValueError:
+            return  # no router yet: the launcher hands it this worker's info
+        try:
+            router.worker_restarted.remote(self.info())
+        except Exception as exc:  # the refresh loop finds this worker anyway
+            log.warning("%s: could not announce the restart to the router: %r", self.worker_id, exc)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.worker_id})"  # the dashboard's Actors page shows it

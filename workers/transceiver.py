@@ -41,6 +41,9 @@ class ControlMessage(NamedTuple):
     payload: bytes  # encoded KVRequest or CancelTransfer
     endpoint: str  # the context worker's KV endpoint it is meant for
     task_name: str  # what the dashboard calls the call that carries it
+    # The context worker's method: a pair open takes the control concurrency group, so that
+    # transfers waiting for it (they run after op 0 of their group) cannot starve it of threads.
+    method: str = "kv_transfer"
 
 
 class KVTransceiver:

@@ -26,6 +26,9 @@ class RouterConfig:
     status_timeout_s: float = 5.0  # one worker's status call (a restarting worker is slow)
     default_deadline_s: float = 600.0
     status_refresh_s: float = 0.5
+    # At start, how long to wait for every worker to report ready (generation workers: their
+    # KV pairs set up) before serving anyway, with the ready ones.
+    ready_timeout_s: float = 60.0
     max_message_bytes: int = 4 << 20
     agent_percentage: float | None = None  # agent tree off unless agent types are given
     agent_types: tuple[str, ...] = ()

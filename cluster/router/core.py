@@ -120,7 +120,7 @@ class Router:
 
     async def start(self) -> int:
         self.server, self.health, self.port = await servicer.start_grpc(self)
-        await self.registry.hear_all(self.config.status_timeout_s)
+        await self.registry.hear_all(self.config.status_timeout_s, self.config.ready_timeout_s)
         self._tasks = [asyncio.create_task(self.dispatcher.loop()),
                        asyncio.create_task(self._refresh_loop())]
         log.info("router serving on %s:%d", self.config.host, self.port)
@@ -381,6 +381,7 @@ class Router:
                 "kv_index": {w: registry.index.num_blocks(w) for w in registry.index.workers()},
                 "kv_snapshots_asked": dict(registry.snapshots_asked),
                 "kv_event_blocks": {w: dict(c) for w, c in registry.kv_event_blocks.items()},
+                "kv_pairs_unready": sorted(f"{c}->{g}" for c, g in registry.unready_pairs()),
                 "healthy": {w: load.healthy for w, load in sorted(registry.loads.items())}}
 
     def router_violations(self) -> list[str]:

@@ -133,7 +133,8 @@ class Dispatcher:
                     plan = (P.plan_transfer_fallback(
                         transfer_failed, plan.gen_worker, list(self.registry.loads.values()),
                         prompt_info, context_policy=r.context_policy,
-                        mode=P.DisaggregationMode(req.spec.disaggregation))
+                        mode=P.DisaggregationMode(req.spec.disaggregation),
+                        unready=self.registry.unready_pairs())
                         if len(transfer_failed) <= MAX_TRANSFER_FALLBACKS else
                         P.RetryPlan(P.RetryAction.GIVE_UP, None, None,
                                     f"{MAX_TRANSFER_FALLBACKS} KV transfers failed"))
@@ -151,7 +152,8 @@ class Dispatcher:
                                         retries_used=req.retries, max_retries=self.config.max_retries,
                                         context_policy=r.context_policy,
                                         generation_policy=r.generation_policy,
-                                        mode=P.DisaggregationMode(req.spec.disaggregation))
+                                        mode=P.DisaggregationMode(req.spec.disaggregation),
+                                        unready=self.registry.unready_pairs())
                     if plan.action != P.RetryAction.GIVE_UP:
                         req.retries += 1
                         r.totals["retries"] += 1
@@ -176,7 +178,22 @@ class Dispatcher:
         gen = r.generation_policy.select(loads, prompt_info)
         if gen is None:
             return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker")
-        ctx = r.context_policy.select(loads, prompt_info) if self.registry.ctx_ids else None
+        ctx = None
+        if self.registry.ctx_ids:
+            # Only over a KV pair that is set up: a transfer never waits for a rendezvous.
+            unready = self.registry.unready_pairs()
+            ctx = r.context_policy.select(
+                loads, prompt_info, exclude={c for c, g in unready if g == gen.worker_id})
+            if ctx is None and req.spec.disaggregation == P.DisaggregationMode.ALWAYS:
+                for other in r.generation_policy.rank(loads, prompt_info, exclude={gen.worker_id}):
+                    ctx = r.context_policy.select(
+                        loads, prompt_info,
+                        exclude={c for c, g in unready if g == other.worker_id})
+                    if ctx is not None:
+                        gen = other
+                        break
+                else:  # no pair is set up: this one's transfer waits for its set-up
+                    ctx = r.context_policy.select(loads, prompt_info)
         try:
             decision = P.decide_prefill(P.DisaggregationMode(req.spec.disaggregation), len(req.prompt),
                                         gen.matched_tokens, self.config.max_local_prefill_length,

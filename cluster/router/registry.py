@@ -66,18 +66,28 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------------ channels
 
-    async def hear_all(self, timeout_s: float) -> None:
-        """Open every worker's channel and wait (bounded) for its first heartbeat, so the router
-        starts with real loads and GetClusterStatus has every worker from the first call. A
-        worker not heard by then is left to the refresh loop's reconnects."""
-        deadline = time.monotonic() + timeout_s
+    async def hear_all(self, timeout_s: float, ready_timeout_s: float = 0.0) -> None:
+        """Open every worker's channel and wait (bounded) until each reports ready: the router
+        starts with real loads, GetClusterStatus has every worker from the first call, and no
+        request meets a KV pair still setting up (generation workers are ready once theirs are
+        set up; ``KvPeers`` goes out as each channel opens). A worker not ready by then is left
+        to the refresh loop (its heartbeats make it healthy when it is)."""
+        start = time.monotonic()
         results = await asyncio.gather(*(self.open_channel(w, timeout_s) for w in self.handles),
                                        return_exceptions=True)
         for worker_id, result in zip(self.handles, results):
             if isinstance(result, BaseException):
                 log.warning("request channel to %s: %r", worker_id, result)
-        while time.monotonic() < deadline and any(w not in self.statuses for w in self.handles):
+        deadline = start + max(timeout_s, ready_timeout_s)
+        while time.monotonic() < deadline:
+            heard = [w for w in self.handles if w in self.statuses]
+            if len(heard) == len(self.handles) and all(self.statuses[w].healthy for w in heard):
+                return
+            if len(heard) < len(self.handles) and time.monotonic() >= start + timeout_s:
+                break  # a worker is not even heard: do not hold the others up for it
             await asyncio.sleep(0.02)
+        slow = [w for w in self.handles if w not in self.statuses or not self.statuses[w].healthy]
+        log.warning("router starting before %s reported ready", ", ".join(slow))
 
     async def open_channel(self, worker_id: str, timeout_s: float) -> WorkerChannel:
         """Connect (once, for every waiter). Its heartbeats make the worker healthy again."""
@@ -93,6 +103,8 @@ class WorkerRegistry:
             await channel.connect(timeout_s)
             self.channels[worker_id] = channel
             self._resync(channel)
+            if info.role == "generation":
+                self._send_peers(channel)
             return channel
 
     async def channel_for(self, worker_id: str, timeout_s: float) -> WorkerChannel:
@@ -129,6 +141,27 @@ class WorkerRegistry:
             await channel.fresh_status(self.config.status_timeout_s)
         except (TimeoutError, ChannelClosed) as exc:
             log.warning("status of %s: %r", worker_id, exc)
+
+    # ------------------------------------------------------------------ KV pairs
+
+    def kv_peers(self) -> dict[str, str]:
+        """Every context worker's KV endpoint (its current incarnation's)."""
+        return {c: self.infos[c].endpoint for c in self.ctx_ids if self.infos[c].endpoint}
+
+    def _send_peers(self, channel: WorkerChannel) -> None:
+        try:
+            channel.send_kv_peers(self.kv_peers())
+        except ChannelClosed:
+            pass  # its reconnect sends them again
+
+    def pair_ready(self, ctx_id: str, gen_id: str) -> bool:
+        """The generation worker's last status says its KV pair with ``ctx_id`` is set up."""
+        s = self.statuses.get(gen_id)
+        return s is not None and s.kv_pairs.get(ctx_id) in ("ready", "lazy")
+
+    def unready_pairs(self) -> set[tuple[str, str]]:
+        """(ctx, gen) pairs no KV transfer should be planned over now."""
+        return {(c, g) for g in self.gen_ids for c in self.ctx_ids if not self.pair_ready(c, g)}
 
     # ------------------------------------------------------------------ the prefix index
 
@@ -239,17 +272,32 @@ class WorkerRegistry:
             try:
                 await self.open_channel(worker_id, timeout)
                 return
-            except (OSError, TimeoutError) as exc:
-                first = exc
+            except (OSError, TimeoutError):
+                pass  # gone or restarted: Ray knows which
             info = await asyncio.wait_for(self.handles[worker_id].info.remote(), timeout)
-            if info.incarnation == self.infos[worker_id].incarnation:
-                raise first
-            self._rejoin(worker_id, info)
+            if info.incarnation != self.infos[worker_id].incarnation:
+                self._rejoin(worker_id, info)
+            # Also when the restarted worker announced itself meanwhile (worker_restarted):
+            # its channel is open then, and this returns it.
             await self.open_channel(worker_id, timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.mark_unhealthy(worker_id, f"reconnect: {exc!r}")
+
+    async def worker_restarted(self, info: WorkerInfo) -> bool:
+        """The worker's new process told us it is up: take its info and open its channel now
+        (its first heartbeat, sent on connect, makes it healthy). False for an unknown worker
+        or an incarnation already known."""
+        worker_id = info.worker_id
+        if worker_id not in self.infos or info.incarnation == self.infos[worker_id].incarnation:
+            return False
+        self._rejoin(worker_id, info)
+        try:
+            await self.open_channel(worker_id, self.config.status_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            self.mark_unhealthy(worker_id, f"connect after restart: {exc!r}")
+        return True
 
     def _rejoin(self, worker_id: str, info: WorkerInfo) -> None:
         """A worker came back as a new process (Ray restarted it): take its new info."""
@@ -262,6 +310,11 @@ class WorkerRegistry:
         self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
         log.warning("worker %s rejoined (pid %s, incarnation %s)", worker_id, info.pid,
                     info.incarnation)
+        if info.role == "context":  # its new KV endpoint: generation workers pair up with it now
+            for g in self.gen_ids:
+                channel = self.channels.get(g)
+                if channel is not None and channel.open:
+                    self._send_peers(channel)
 
     def current_status(self, worker_id: str) -> tuple[WorkerStatus | None, float, str]:
         """(the status the worker's open channel last brought, its age in seconds, why there is

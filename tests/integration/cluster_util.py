@@ -29,9 +29,6 @@ RAY_TIMEOUT_S = 60.0
 
 def start_cluster(model_dir, router: RouterConfig | None = None, **kwargs) -> Cluster:
     kwargs.setdefault("engine", ENGINE)
-    # Pair-group rendezvous: the context side joins when its kv_transfer call runs, which a
-    # loaded 2-core machine can delay by seconds; too short a wait poisons a healthy pair.
-    kwargs.setdefault("connect_timeout_s", 15.0)
     router = dataclasses.replace(router or RouterConfig(), port=0)
     return launch(LaunchConfig(model=str(model_dir), router=router, **kwargs))
 

@@ -32,6 +32,24 @@ def model_dir():
     return builtin_model_dir()
 
 
+@pytest.fixture
+def cluster(ray_cluster, model_dir):
+    """``launch(**launch kwargs)``: a fresh cluster for this test (fault and chaos tests need
+    one that has served nothing and that they may break); all are shut down after it."""
+    import cluster_util as U
+
+    started = []
+
+    def launch(**kwargs):
+        cl = U.start_cluster(model_dir, **kwargs)
+        started.append(cl)
+        return cl
+
+    yield launch
+    for cl in started:
+        cl.shutdown()
+
+
 @pytest.fixture(scope="module")
 def clusters(ray_cluster, model_dir):
     """``get(**launch kwargs)``: the running cluster if it was launched with the same settings,

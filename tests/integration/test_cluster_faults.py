@@ -32,24 +32,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 MAX_INPUT_LEN = 44
 
 
-@pytest.fixture
-def cluster(ray_cluster, model_dir):
-    started = []
-
-    def _launch(**kwargs):
-        cl = U.start_cluster(model_dir, **kwargs)
-        started.append(cl)
-        return cl
-
-    yield _launch
-    for cl in started:
-        cl.shutdown()
-
-
 def _wait_rejoined(cl, worker_id: str, timeout_s: float = 90.0) -> None:
-    def back():
+    def back():  # healthy, and (in the router's view) its KV pairs are set up again
         st = ray.get(cl.router.debug_state.remote(), timeout=U.RAY_TIMEOUT_S)
-        return st["restarts"].get(worker_id, 0) >= 1 and st["healthy"][worker_id]
+        return (st["restarts"].get(worker_id, 0) >= 1 and st["healthy"][worker_id]
+                and not any(worker_id in pair.split("->") for pair in st["kv_pairs_unready"]))
 
     U.wait_for(back, timeout_s, f"{worker_id} to restart and rejoin")
 
@@ -374,7 +361,12 @@ def test_stalled_sender_runs_into_the_transfer_timeout_or_the_deadline(cluster, 
 
     def stalled(request_id: str, prompt, **kwargs) -> tuple[U.Result, float, dict]:
         """One request while every KV send is held after its header; then the hold is lifted
-        and the cluster drains before the next case (a held send blocks its pair)."""
+        and the cluster drains before the next case (a held send blocks its pair). It starts
+        once the pair group is set up again after the previous case's timeout: the router
+        plans no transfer over a pair that is not (it would prefill locally)."""
+        U.wait_for(lambda: not ray.get(cl.router.debug_state.remote(),
+                                       timeout=U.RAY_TIMEOUT_S)["kv_pairs_unready"],
+                   60, "the router to see the KV pair set up again")
         ray.get(ctx.test_hook.remote("stall_send", 60.0), timeout=U.RAY_TIMEOUT_S)
         t0 = time.monotonic()
         (result,) = U.run(_one_request(cl.port, prompt, 8, request_id=request_id, **kwargs), 60)

@@ -502,3 +502,39 @@ def test_a_fallback_never_targets_an_unhealthy_generation_worker():
     ws = [ctx("c0"), gen("g0", healthy=False)]
     plan = _fallback({("c0", "g0")}, ws)
     assert plan.action == RetryAction.GIVE_UP and "not healthy" in plan.reason
+
+
+
+# ---- pairs whose KV group is not set up ----------------------------------------------------------
+
+def test_no_retry_or_fallback_is_planned_over_a_pair_that_is_not_set_up():
+    ws = [ctx("c0"), ctx("c1"), gen("g0"), gen("g1")]
+    plan = plan_retry({("c0", "g0")}, ws, prompt(9), retries_used=0, max_retries=3,
+                      context_policy=LeastLoadedPolicy(), generation_policy=GenerationLoadPolicy(),
+                      unready={("c1", "g1")})
+    assert (plan.action, plan.ctx_worker, plan.gen_worker) != (RetryAction.PAIR, "c1", "g1")
+    assert plan.action == RetryAction.PAIR and (plan.ctx_worker, plan.gen_worker) in {
+        ("c1", "g0"), ("c0", "g1")}
+    # Every pair down: local prefill, and an unready pair is no failure of its workers.
+    every = {(c, g) for c in ("c0", "c1") for g in ("g0", "g1")}
+    plan = plan_retry(set(), ws, prompt(9), retries_used=0, max_retries=3,
+                      context_policy=LeastLoadedPolicy(), generation_policy=GenerationLoadPolicy(),
+                      unready=every)
+    assert plan.action == RetryAction.LOCAL_PREFILL
+    # Disaggregation required and no pair set up: a pair anyway (its transfer waits for the
+    # set-up within its deadline) rather than giving up.
+    plan = plan_retry(set(), ws, prompt(9), retries_used=0, max_retries=3,
+                      context_policy=LeastLoadedPolicy(), generation_policy=GenerationLoadPolicy(),
+                      mode=DisaggregationMode.ALWAYS, unready=every)
+    assert plan.action == RetryAction.PAIR
+    plan = plan_transfer_fallback({("c0", "g0")}, "g0", [ctx("c0"), ctx("c1"), gen("g0")], prompt(9),
+                                  context_policy=LeastLoadedPolicy(), mode=DisaggregationMode.ALWAYS,
+                                  unready={("c1", "g0")})
+    assert (plan.action, plan.ctx_worker) == (RetryAction.PAIR, "c1")
+    plan = _fallback({("c0", "g0")}, [ctx("c0"), ctx("c1"), ctx("c2"), gen("g0")],
+                     DisaggregationMode.ALWAYS)
+    assert plan.ctx_worker in ("c1", "c2")
+    plan = plan_transfer_fallback({("c0", "g0")}, "g0", [ctx("c0"), ctx("c1"), ctx("c2"), gen("g0")],
+                                  prompt(9), context_policy=LeastLoadedPolicy(),
+                                  mode=DisaggregationMode.ALWAYS, unready={("c1", "g0")})
+    assert (plan.action, plan.ctx_worker) == (RetryAction.PAIR, "c2")

@@ -59,13 +59,14 @@ statuses = st.builds(
     context_tokens=ints, steps=ints,
     transfers=st.builds(R.TransferTotals, sent=st.integers(0, 99), bytes_sent=ints, seconds=finite,
                         outcomes=st.dictionaries(text, st.integers(0, 9), max_size=2)),
-    violations=st.lists(text, max_size=2), events=st.lists(events, max_size=3))
+    violations=st.lists(text, max_size=2), events=st.lists(events, max_size=3),
+    kv_pairs=st.dictionaries(text, st.sampled_from(["ready", "opening", "down", "gone"]), max_size=3))
 keys = st.lists(st.binary(min_size=16, max_size=16), max_size=5).map(tuple)
 kv_events = st.lists(st.one_of(st.builds(BlocksStored, st.none() | st.binary(min_size=16, max_size=16), keys),
                                st.builds(BlocksRemoved, keys), st.just(AllCleared())), max_size=6)
 frames = st.one_of(
     st.builds(R.KvEvents, ints, kv_events), st.builds(R.KvSnapshot, ints, kv_events),
-    st.just(R.KvSnapshotQuery()),
+    st.just(R.KvSnapshotQuery()), st.builds(R.KvPeers, st.dictionaries(text, text, max_size=3)),
     st.builds(R.Hello, st.integers(0, 9), text), st.builds(R.HelloAck, st.integers(0, 9), text),
     st.builds(R.Refused, text), st.builds(R.Generate, wire_requests), st.builds(R.Abort, ints),
     st.builds(R.StatusQuery, st.integers(-2**40, 2**40)), st.builds(R.Update, updates),
@@ -162,3 +163,10 @@ def test_update_constructors_keep_kind_and_fields_consistent():
     assert R.WireUpdate.failed(1, R.ErrorKind.TRANSFER, "x").outcome == "error"
     with pytest.raises(ValueError, match="finish_reason"):
         R.WireUpdate.finished_with(1, [], "abort")
+
+
+def test_kv_peers_and_pair_states_are_checked():
+    frame = R.encode_frame(R.KvPeers({"ctx-0": "127.0.0.1:5000#7"}))
+    assert R.decode_frame(frame) == R.KvPeers({"ctx-0": "127.0.0.1:5000#7"})
+    with pytest.raises(R.ProtocolError, match="kv peers.peers"):
+        R.decode_frame(msgpack.packb([R.FrameType.KV_PEERS, {"ctx-0": 5}]))

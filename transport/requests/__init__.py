@@ -16,6 +16,8 @@ then
   worker -> router  Update(WireUpdate) | StatusReply(query_id, WorkerStatus) | Heartbeat(WorkerStatus)
                     | KvEvents(seq, events) | KvSnapshot(seq, events)
   router -> worker  KvSnapshotQuery()    (after connecting, and after a gap in the seqs)
+  router -> worker  KvPeers(peers)       (generation workers: the context workers' KV
+                                          endpoints, to set KV pairs up with before serving)
 
 An update says what happened with an explicit ``UpdateKind``: tokens (more to come), the
 context phase done (its ``ContextPhaseParams`` lease the KV to a generation worker), finished
@@ -39,6 +41,7 @@ from .types import (
     Hello,
     HelloAck,
     KvEvents,
+    KvPeers,
     KvSnapshot,
     KvSnapshotQuery,
     ProtocolError,
@@ -59,7 +62,7 @@ from .types import (
 
 __all__ = [
     "FINISH_REASONS", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "ErrorKind", "Frame",
-    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvEvents",
+    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvEvents", "KvPeers",
     "KvSnapshot", "KvSnapshotQuery", "ProtocolError",
     "Refused", "StatusQuery", "StatusReply", "TransferTotals", "Update", "UpdateInfo",
     "UpdateKind", "WireRequest", "WireSampling", "WireUpdate", "WorkerEvent", "WorkerInfo",

@@ -25,6 +25,7 @@ from .types import (
     Hello,
     HelloAck,
     KvEvents,
+    KvPeers,
     KvSnapshot,
     KvSnapshotQuery,
     ProtocolError,
@@ -122,6 +123,8 @@ def encode_frame(frame: Frame) -> bytes:
         body = [FrameType.KV_SNAPSHOT, frame.seq, _events(frame.events)]
     elif t is KvSnapshotQuery:
         body = [FrameType.KV_SNAPSHOT_QUERY]
+    elif t is KvPeers:
+        body = [FrameType.KV_PEERS, dict(frame.peers)]
     elif t is StatusQuery:
         body = [FrameType.STATUS_QUERY, frame.query_id]
     elif t is Hello:
@@ -255,8 +258,13 @@ def _status_from(d: Any) -> WorkerStatus:
                  "tokens_per_block"):
         _int(values[name], f"status.{name}")
     _check(type(values["requests_by_state"]) is dict, "status.requests_by_state: expected a map")
+    _check(_str_map(values["kv_pairs"]), "status.kv_pairs: expected a map of strings")
     _check(type(values["violations"]) is list, "status.violations: expected a list")
     return WorkerStatus(**values)
+
+
+def _str_map(v: Any) -> bool:
+    return type(v) is dict and all(type(k) is str and type(x) is str for k, x in v.items())
 
 
 def _keys(v: Any, what: str) -> tuple[bytes, ...]:
@@ -301,6 +309,10 @@ def _decode(body: Any) -> Frame:
     if kind == FrameType.KV_SNAPSHOT:
         f = _fields(rest, 2, "kv snapshot")
         return KvSnapshot(_int(f[0], "kv snapshot.seq"), _events_from(f[1], "kv snapshot"))
+    if kind == FrameType.KV_PEERS:
+        peers = _fields(rest, 1, "kv peers")[0]
+        _check(_str_map(peers), "kv peers.peers: expected a map of strings")
+        return KvPeers(peers)
     if kind == FrameType.KV_SNAPSHOT_QUERY:
         _fields(rest, 0, "kv snapshot query")
         return KvSnapshotQuery()

@@ -9,7 +9,7 @@ from typing import Union
 from pdserve.scheduler.kv_events import KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequestType
 
-PROTOCOL_VERSION = 2  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot)
+PROTOCOL_VERSION = 3  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -248,6 +248,10 @@ class WorkerStatus:
     transfers: TransferTotals
     violations: list[str]
     events: list[WorkerEvent] = field(default_factory=list)
+    # Generation side: ctx worker id -> the state of the KV pair with it ("ready", "opening",
+    # "down", "gone"; kv_receiver.PairState). The router sends a KV transfer only over a
+    # ready pair.
+    kv_pairs: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- frames
@@ -311,6 +315,15 @@ class KvEvents:
 
 
 @dataclass(frozen=True, slots=True)
+class KvPeers:
+    """router -> generation worker: the context workers (id -> KV endpoint) to set KV pairs up
+    with now. Sent when the channel opens and whenever a context worker comes back as a new
+    process; a generation worker reports healthy once each pair's first set-up is over."""
+
+    peers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class KvSnapshotQuery:
     """The router asks for the whole cache (after connecting, or after a gap)."""
 
@@ -325,7 +338,7 @@ class KvSnapshot:
 
 
 Frame = Union[Hello, HelloAck, Refused, Generate, Abort, StatusQuery, Update, StatusReply, Heartbeat,
-              KvEvents, KvSnapshotQuery, KvSnapshot]
+              KvEvents, KvSnapshotQuery, KvSnapshot, KvPeers]
 
 
 class FrameType(enum.IntEnum):
@@ -341,3 +354,4 @@ class FrameType(enum.IntEnum):
     KV_EVENTS = 10
     KV_SNAPSHOT_QUERY = 11
     KV_SNAPSHOT = 12
+    KV_PEERS = 13
