@@ -335,6 +335,9 @@ class _ReceiverPair:
                 raise RuntimeError(f"context endpoint {endpoint} is gone (its port was reused)")
             self.store, self.store_endpoint = store, endpoint
         store = self.store
+        if not self.eager:  # lazy: the rendezvous is the first op's, bounded by its deadline
+            self.group = PairGroup(store, name, GEN_RANK, self.owner.pool.device, left)
+            return self.group
         # The rendezvous waits for the context side, which joins when it runs the op: on a
         # helper thread, so that a refused open (or a replaced endpoint) ends it at once.
         self.group = run_abandonable(

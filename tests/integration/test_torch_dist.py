@@ -222,7 +222,7 @@ def test_lost_kv_request_fails_both_sides_within_the_deadline(cluster: Cluster,
     assert ctx.call("wait", cw, [ctx_rid], 5.0)[ctx_rid][2] == SendState.FAILED
     assert ctx.call("wait", cw, [lost_ctx], 5.0)[lost_ctx][2] == SendState.EXPIRED  # unclaimed
     _, got = cluster.transfer(ctx, cw, gen, gw, [9, 10, 11], [12, 13, 14])
-    assert got[2] == RecvState.COMPLETE
+    assert got[2] == RecvState.COMPLETE, got  # (request, transfer, state, ok, reason, ...)
     assert_landed(ctx, cw, gen, gw, [9, 10, 11], [12, 13, 14])
 
 
