@@ -10,6 +10,7 @@ longer exists), and requests still carrying it are refused before they touch the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -169,6 +170,7 @@ class _ReceiverPair:
         self.epoch += 1
         self.next_seq = self._first_seq()
         self.opened = None
+        self.owner.state_changed()
         doomed = list(self.queue)
         self.queue.clear()
         return doomed
@@ -253,6 +255,7 @@ class _ReceiverPair:
                 self.last_error = why
                 step = OPEN_BACKOFF_S[min(self.open_failures, len(OPEN_BACKOFF_S)) - 1]
                 self.retry_at = time.monotonic() + step
+                self.owner.state_changed()
             log.warning("%s: KV pair group %s failed to open (%s); next try in %.1f s",
                         self.owner.worker_id, name, why, step)
             self._poison(why, name)
@@ -263,6 +266,7 @@ class _ReceiverPair:
                 self.opened = name
                 self.open_failures = 0
                 self.stats["opens"] += 1
+                self.owner.state_changed()
                 self.cond.notify()
 
     def _poison(self, reason: str, group: str) -> None:
@@ -280,6 +284,7 @@ class _ReceiverPair:
                     self.epoch += 1
                     self.next_seq = self._first_seq()
                     self.opened = None
+                    self.owner.state_changed()
                     kept: deque[_RecvOp] = deque()
                     for op in self.queue:
                         msg = self.owner.sessions.reissue(op.gen_request_id, group=self.group_name,
@@ -446,6 +451,10 @@ class KVReceiver:
                  clock: Callable[[], float] = time.monotonic,
                  control: ControlSink | None = None) -> None:
         self.worker_id = worker_id
+        # Bumped whenever a pair's PairState may have changed: a heartbeat goes out of turn on
+        # a new value, without asking every pair for its state on each step.
+        self._changes = itertools.count(1)
+        self.state_version = 0
         # Set (before the first pair exists) by a worker that can reach context workers itself:
         # its pairs then set their groups up eagerly and heal themselves (``_ReceiverPair``).
         self.control = control
@@ -476,11 +485,15 @@ class KVReceiver:
             self._gone[endpoint] = None
             while len(self._gone) > MAX_GONE_ENDPOINTS:
                 del self._gone[next(iter(self._gone))]
+        self.state_changed()  # the pair on it reports GONE
         if _notify_pair:
             with self._lock:
                 pairs = list(self._pairs.values())
             for pair in pairs:
                 pair.endpoint_gone(endpoint)
+
+    def state_changed(self) -> None:
+        self.state_version = next(self._changes)  # atomic under the GIL, from any thread
 
     def send_control(self, ctx_worker_id: str, endpoint: str, payload: bytes, name: str) -> None:
         if self.control is None:
@@ -623,6 +636,7 @@ class KVReceiver:
             pair = self._pairs.get(ctx_worker_id)
             if pair is None:
                 pair = self._pairs[ctx_worker_id] = _ReceiverPair(self, ctx_worker_id, endpoint)
+                self.state_changed()
         if not self.is_gone(endpoint):  # a stale endpoint never moves the pair back
             pair.set_endpoint(endpoint)
         return pair

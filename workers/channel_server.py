@@ -296,7 +296,7 @@ class RequestChannelServer:
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        ready = (self.host.ready, self.host.pair_states())
+        ready = (self.host.ready, self.host.pair_version())
         if now < self._next_heartbeat and ready == self._ready_sent:
             return
         # out of turn when readiness changed (a generation worker's KV pairs are set up, or

@@ -262,6 +262,10 @@ class WorkerHost:
             self._joined = self.receiver is None or (self.peers_known and self.receiver.pairs_settled())
         return self._joined
 
+    def pair_version(self) -> int:
+        """Changes whenever a KV pair's state may have (0 without a receiver): cheap to poll."""
+        return self.receiver.state_version if self.receiver is not None else 0
+
     def pair_states(self) -> dict[str, str]:
         """ctx worker id -> its KV pair's state (generation side; empty otherwise)."""
         return self.receiver.pair_states() if self.receiver is not None else {}
