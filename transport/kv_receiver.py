@@ -27,6 +27,7 @@ from .kv_groups import (
     TransportConfig, connect_store, failure_reason, header_tensor, incarnation_of, layout_of,
     probe_store, run_abandonable,
 )
+from .kv_link import LINK_KEY, KvLink, parse_published
 from .protocol import (
     CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
     WireHeader, WireStatus, decode_message, encode_message, group_name, wire_tag,
@@ -36,6 +37,7 @@ from .sessions import TransferResult
 
 MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
 OPEN_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits after 1, 2, ... failed opens (the last repeats)
+LINK_CONNECT_S = 2.0  # dialling a context worker's KV link (loopback or LAN: milliseconds)
 # (ctx worker id, its endpoint, encoded control message, what the dashboard calls the call):
 # delivers a control message from any thread; the answer comes back through ``handle``.
 ControlSink = Callable[[str, str, bytes, str], None]
@@ -82,6 +84,10 @@ class _ReceiverPair:
         self.stopping = False
         self.store: dist.TCPStore | None = None  # the pair thread's; reconnected on reset
         self.store_endpoint = ""
+        # The direct control link to the context worker at ``link_endpoint`` (``kv_link``):
+        # set by the pair thread when it connects to that store, used by any thread.
+        self.link: KvLink | None = None
+        self.link_endpoint = ""
         self.group: PairGroup | None = None
         self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
         # eager set-up (under cond): the group open and serving, when to try the next open
@@ -132,6 +138,7 @@ class _ReceiverPair:
                 doomed = []
             else:
                 stale, self.endpoint = self.endpoint, endpoint
+                self._close_link()
                 doomed = self._reset_locked()
                 self.open_failures, self.retry_at, self.attempted = 0, 0.0, False
                 self.cond.notify()
@@ -144,9 +151,43 @@ class _ReceiverPair:
         with self.cond:
             if endpoint != self.endpoint:
                 return
+            self._close_link()
             doomed = self._reset_locked()
         for op in doomed:
             self.owner.sessions.fail(op.gen_request_id, f"context worker endpoint {endpoint} is gone")
+
+    def send_direct(self, endpoint: str, payload: bytes) -> bool:
+        """A control message over the direct link, if one is up to ``endpoint``."""
+        link = self.link
+        return (link is not None and self.link_endpoint == endpoint and not link.closed
+                and link.send(endpoint, payload))
+
+    def _close_link(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.close()
+
+    def _connect_link(self, store: dist.TCPStore, endpoint: str) -> None:
+        """On the pair thread, just connected to ``endpoint``'s store: dial its KV link (if it
+        publishes one and none is up). A failure only means control messages go by Ray."""
+        link = self.link
+        if link is not None and not link.closed and self.link_endpoint == endpoint:
+            return
+        try:
+            if not store.check([LINK_KEY]):
+                return
+            address, token = parse_published(store.get(LINK_KEY).decode())
+            new = KvLink(address, token, timeout_s=LINK_CONNECT_S)
+        except Exception as exc:  # noqa: BLE001 - Ray carries every control message anyway
+            log.info("%s: no KV link to %s (%s); control messages go by Ray",
+                     self.owner.worker_id, self.ctx_worker_id, failure_reason(exc))
+            return
+        with self.cond:
+            if endpoint != self.endpoint or self.stopping:
+                new.close()
+                return
+            self._close_link()
+            self.link, self.link_endpoint = new, endpoint
 
     def issue(self, gen_request_id: int) -> KVRequest:
         with self.cond:
@@ -202,6 +243,7 @@ class _ReceiverPair:
             for d_op in doomed:
                 sessions.fail(d_op.gen_request_id, "transport closed")
             if self.stopping:
+                self._close_link()
                 self._drop_group(store_too=True)
                 return
             if op is None:
@@ -339,6 +381,7 @@ class _ReceiverPair:
                 self.owner.mark_gone(endpoint)
                 raise RuntimeError(f"context endpoint {endpoint} is gone (its port was reused)")
             self.store, self.store_endpoint = store, endpoint
+            self._connect_link(store, endpoint)
         store = self.store
         if not self.eager:  # lazy: the rendezvous is the first op's, bounded by its deadline
             self.group = PairGroup(store, name, GEN_RANK, self.owner.pool.device, left)
@@ -521,14 +564,17 @@ class KVReceiver:
         return all(not p.eager or p.attempted or p.state() == PairState.GONE for p in pairs)
 
     def pair_stats(self) -> dict[str, dict[str, object]]:
-        """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error."""
+        """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error, and
+        whether its direct control link is up."""
         with self._lock:
             pairs = dict(self._pairs)
         out = {}
         for w, p in sorted(pairs.items()):
             state = p.state()
             with p.cond:
-                out[w] = {"state": state, "epoch": p.epoch, **p.stats, "last_error": p.last_error}
+                link = p.link
+                out[w] = {"state": state, "epoch": p.epoch, **p.stats, "last_error": p.last_error,
+                          "link": link is not None and not link.closed}
         return out
 
     def break_pair(self, ctx_worker_id: str) -> bool:
@@ -537,6 +583,14 @@ class KVReceiver:
             pair = self._pairs.get(ctx_worker_id)
         group = pair.group if pair is not None else None
         return group is not None and group.cut() > 0
+
+    def send_direct(self, ctx_worker_id: str, endpoint: str, payload: bytes) -> bool:
+        """Send a control message (a KV request or a cancel) over the direct link to that
+        context worker, if one is up to ``endpoint``; False otherwise (send it by Ray). The
+        caller sends it by Ray as well: the context side runs whichever copy comes first."""
+        with self._lock:
+            pair = self._pairs.get(ctx_worker_id)
+        return pair is not None and pair.send_direct(endpoint, payload)
 
     def pair_endpoint(self, ctx_worker_id: str) -> str | None:
         """The endpoint the pair with this context worker currently uses (None: no pair yet)."""

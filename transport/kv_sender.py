@@ -6,12 +6,16 @@ A generation worker that sets its groups up eagerly opens each with a ``PairOpen
 the group: an OPEN header, no payload). When a group breaks, only the op in flight on it
 fails: claimed ops that never began give their claim back (the blocks stay leased) and are
 answered ``retryable``, so the generation side re-issues them on the rebuilt group.
+
+Each KV request arrives twice, by the direct link (``kv_link``, fast) and by Ray (the
+dashboard's record): ``submit`` runs the first copy and hands the second the same future.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -29,11 +33,17 @@ from .protocol import (
     TransferRejected, WireHeader, WireStatus, choose_chunking, consecutive_fraction,
     decode_message, encode_message, group_order, wire_tag,
 )
+from .kv_link import LINK_KEY, KvLinkServer
 from .session_sides import SenderSessions
 from .sessions import TransferResult
 
 SendHook = Callable[[TransferDescriptor, int], None]  # (descriptor, chunk index), sender thread
 RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy-free runs)
+# How long an op is remembered after it was submitted, beyond its own timeout: the second copy
+# of a KV request (direct link and Ray both carry it) folds into the first within this window.
+DEDUP_MARGIN_S = 60.0
+
+log = logging.getLogger("pdserve.transport")
 
 
 @dataclass(slots=True)
@@ -313,6 +323,12 @@ class KVSender:
         self._pairs: dict[str, _SenderPair] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # (group, seq) -> (transfer id, the op's future, forget at): a request's second copy
+        self._recent: OrderedDict[tuple[str, int], tuple[int, Future, float]] = OrderedDict()
+        self._recent_lock = threading.Lock()
+        self.folded = 0  # second copies folded into the first (stats, tests)
+        self.link = KvLinkServer(self.config.host, self._on_link, name=worker_id)
+        self._store.set(LINK_KEY, self.link.published)
 
     def hold(self, ctx_request_id: int, block_ids: list[int] | tuple[int, ...], *,
              lease_s: float | None = None) -> None:
@@ -321,7 +337,23 @@ class KVSender:
 
     def submit(self, request: KVRequest) -> Future:
         """Queue the send a KV request asks for; the future resolves to a TransferDone when the
-        bytes are on the wire (or the op failed). A refused request still sends a header."""
+        bytes are on the wire (or the op failed). A refused request still sends a header.
+        The second copy of a request (same group, seq and transfer) gets the first's future."""
+        key = (request.group, request.seq)
+        now = time.monotonic()
+        with self._recent_lock:  # before self._lock (which _submit takes), never after
+            while self._recent and next(iter(self._recent.values()))[2] <= now:
+                self._recent.popitem(last=False)
+            seen = self._recent.get(key)
+            if seen is not None and seen[0] == request.transfer_id:
+                self.folded += 1
+                return seen[1]
+            future = self._submit(request)
+            self._recent[key] = (request.transfer_id, future,
+                                 now + request.timeout_s + DEDUP_MARGIN_S)
+            return future
+
+    def _submit(self, request: KVRequest) -> Future:
         op_deadline = Deadline(request.timeout_s)
         try:
             group_order(request.group)
@@ -390,6 +422,20 @@ class KVSender:
     def poll(self) -> list[TransferResult]:
         return self.sessions.poll()
 
+    def _on_link(self, endpoint: str, payload: bytes) -> None:
+        """A control message from the direct link (its reader thread). One meant for another
+        incarnation is dropped: its Ray copy gets the endpoint_gone answer."""
+        if endpoint != self.locator:
+            return
+        msg = decode_message(payload)
+        if isinstance(msg, KVRequest):
+            self.submit(msg)  # the Ray copy waits on the same future and answers
+        elif isinstance(msg, CancelTransfer):
+            self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
+                        gen_worker_id=msg.gen_worker_id)
+        else:
+            raise ProtocolError(f"the KV link does not take {type(msg).__name__}")
+
     def break_pair(self, gen_worker_id: str) -> bool:
         """Fault injection: cut the pair group's connections, as a dying peer or a broken
         network would (pending ops fail at once on both sides; the generation side rebuilds
@@ -403,6 +449,7 @@ class KVSender:
         with self._lock:
             self._closed = True
             pairs = list(self._pairs.values())
+        self.link.close()
         for p in pairs:
             p.stop()
         for p in pairs:

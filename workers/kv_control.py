@@ -2,9 +2,14 @@
 a generation worker's transceiver and the context workers.
 
 Generation side (``KVControl.flush_outbox``, on the step loop's thread after each step): the
-transceiver's outbox is sent through a ``ControlPlane`` in outbox order, so KV requests reach a
-context worker in the order of their seqs (its pair thread serves them in that order); each
-reply is awaited on a small thread pool and handed back to the transceiver. A failed delivery
+transceiver's outbox is sent in outbox order, so KV requests reach a context worker in the order
+of their seqs (its pair thread serves them in that order). A KV request or cancel goes first
+over the pair's direct link when it is up (``transport/kv_link.py``: one socket write, so the
+payload starts at once), and always also through the ``ControlPlane`` (Ray: the transfer's
+record on the dashboard, and its reply); the context side folds the second copy into the first.
+With the link up, the Ray call is issued from the pool rather than the loop thread (its order
+no longer matters: the link already delivered in order). Each reply is awaited on a small
+thread pool and handed back to the transceiver. A failed delivery
 fails the transfer at once instead of letting it run into its deadline; a reply saying the
 context worker's endpoint is gone (it restarted) marks that endpoint gone.
 
@@ -117,8 +122,27 @@ class KVControl:
                                  "kv_pair_open" if opening else "kv_transfer")
         if self.control is None:
             raise RuntimeError("no control plane to reach context workers")
+        if self._send_direct(message):
+            self._pool.submit(self._send_and_await, message)
+            return
         wait = self.control.send(message)
         self._pool.submit(self._await_reply, message, wait)
+
+    def _send_direct(self, message: ControlMessage) -> bool:
+        receiver = self.transceiver.receiver if self.transceiver is not None else None
+        return (message.method == "kv_transfer" and receiver is not None
+                and receiver.send_direct(message.ctx_worker_id, message.endpoint, message.payload))
+
+    def _send_and_await(self, message: ControlMessage) -> None:
+        """On the pool: the Ray copy of a message the direct link already delivered."""
+        try:
+            if self.control is None:
+                raise RuntimeError("no control plane to reach context workers")
+            wait = self.control.send(message)
+        except Exception as exc:
+            self._control_failed(message, exc)
+            return
+        self._await_reply(message, wait)
 
     def flush_outbox(self) -> None:
         transceiver = self.transceiver
@@ -129,6 +153,9 @@ class KVControl:
                 message = transceiver.outbox.get_nowait()
             except queue.Empty:
                 return
+            if self._send_direct(message):
+                self._pool.submit(self._send_and_await, message)
+                continue
             try:
                 if self.control is None:
                     raise RuntimeError("no control plane to reach context workers")

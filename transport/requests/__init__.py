@@ -19,6 +19,11 @@ then
   router -> worker  KvPeers(peers)       (generation workers: the context workers' KV
                                           endpoints, to set KV pairs up with before serving)
 
+The direct KV control link (``transport/kv_link.py``) speaks the same framing between a
+generation worker and a context worker: Hello(version, link token), then only
+
+  generation -> context  KvControl(endpoint, payload)   a KV request or a cancel
+
 An update says what happened with an explicit ``UpdateKind``: tokens (more to come), the
 context phase done (its ``ContextPhaseParams`` lease the KV to a generation worker), finished
 (stop or length), aborted, or failed with an ``ErrorKind``. A request the worker refuses is a
@@ -40,6 +45,7 @@ from .types import (
     Heartbeat,
     Hello,
     HelloAck,
+    KvControl,
     KvEvents,
     KvPeers,
     KvSnapshot,
@@ -62,7 +68,7 @@ from .types import (
 
 __all__ = [
     "FINISH_REASONS", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "ErrorKind", "Frame",
-    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvEvents", "KvPeers",
+    "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvControl", "KvEvents", "KvPeers",
     "KvSnapshot", "KvSnapshotQuery", "ProtocolError",
     "Refused", "StatusQuery", "StatusReply", "TransferTotals", "Update", "UpdateInfo",
     "UpdateKind", "WireRequest", "WireSampling", "WireUpdate", "WorkerEvent", "WorkerInfo",

@@ -25,6 +25,7 @@ from .types import (
     Hello,
     HelloAck,
     KvEvents,
+    KvControl,
     KvPeers,
     KvSnapshot,
     KvSnapshotQuery,
@@ -125,6 +126,8 @@ def encode_frame(frame: Frame) -> bytes:
         body = [FrameType.KV_SNAPSHOT_QUERY]
     elif t is KvPeers:
         body = [FrameType.KV_PEERS, dict(frame.peers)]
+    elif t is KvControl:
+        body = [FrameType.KV_CONTROL, frame.endpoint, bytes(frame.payload)]
     elif t is StatusQuery:
         body = [FrameType.STATUS_QUERY, frame.query_id]
     elif t is Hello:
@@ -313,6 +316,11 @@ def _decode(body: Any) -> Frame:
         peers = _fields(rest, 1, "kv peers")[0]
         _check(_str_map(peers), "kv peers.peers: expected a map of strings")
         return KvPeers(peers)
+    if kind == FrameType.KV_CONTROL:
+        f = _fields(rest, 2, "kv control")
+        _check(type(f[0]) is str, "kv control.endpoint: expected a string")
+        _check(type(f[1]) is bytes, "kv control.payload: expected bytes")
+        return KvControl(f[0], f[1])
     if kind == FrameType.KV_SNAPSHOT_QUERY:
         _fields(rest, 0, "kv snapshot query")
         return KvSnapshotQuery()

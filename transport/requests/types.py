@@ -9,7 +9,8 @@ from typing import Union
 from pdserve.scheduler.kv_events import KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequestType
 
-PROTOCOL_VERSION = 3  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs
+PROTOCOL_VERSION = 4  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
+# 4: KvControl (the direct KV control link, transport/kv_link.py)
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -337,8 +338,18 @@ class KvSnapshot:
     events: list[KVEvent]
 
 
+@dataclass(frozen=True, slots=True)
+class KvControl:
+    """generation worker -> context worker, on the direct KV control link (not the router's
+    channel): one encoded KV control message (``transport/protocol.py``) for the context
+    worker whose KV locator is ``endpoint`` (another incarnation's is dropped)."""
+
+    endpoint: str
+    payload: bytes
+
+
 Frame = Union[Hello, HelloAck, Refused, Generate, Abort, StatusQuery, Update, StatusReply, Heartbeat,
-              KvEvents, KvSnapshotQuery, KvSnapshot, KvPeers]
+              KvEvents, KvSnapshotQuery, KvSnapshot, KvPeers, KvControl]
 
 
 class FrameType(enum.IntEnum):
@@ -355,3 +366,4 @@ class FrameType(enum.IntEnum):
     KV_SNAPSHOT_QUERY = 11
     KV_SNAPSHOT = 12
     KV_PEERS = 13
+    KV_CONTROL = 14
