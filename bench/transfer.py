@@ -10,7 +10,8 @@ from the header's arrival to the last block scattered); the raw figure is the re
 from posting the recv to its completion. The control messages travel over a pipe between the two
 processes (Ray in production); "e2e" latency includes them.
 
-Goal: pdserve >= 0.8x raw at 16 and 128 MiB.
+Goals (issue 16): pdserve >= 0.9x raw for scattered ids at 16 and 128 MiB (median); one-block
+end to end <= 0.6 ms.
 """
 from __future__ import annotations
 
@@ -104,10 +105,10 @@ def _gen_main(conn: Any, args: dict[str, Any]) -> None:
     gid = 0
     buf = torch.zeros(max(args["sizes_mb"]) << 20, dtype=torch.uint8)
 
-    def pd(n: int, contiguous: bool) -> tuple[float, float]:
+    def pd(n: int, contiguous: bool, link: bool = True) -> tuple[float, float]:
         nonlocal gid
         gid += 1
-        return _pd_once(conn, receiver, pool, n, contiguous, args["endpoint"], rng, gid)
+        return _pd_once(conn, receiver, pool, n, contiguous, args["endpoint"], rng, gid, link)
 
     for mb in args["sizes_mb"]:
         nbytes, n = mb << 20, max(1, (mb << 20) // pool.bytes_per_block)
@@ -122,20 +123,23 @@ def _gen_main(conn: Any, args: dict[str, Any]) -> None:
                 runs["raw"].setdefault(str(mb), []).append(t_raw)
                 for mode in MODES:
                     runs[mode].setdefault(str(mb), []).append(t_pd[mode])
-    for rep in range(args["reps"] + 1):
-        data_s, wall_s = pd(1, False)
-        if rep:
-            runs[MODES[0]].setdefault("1blk", []).append(data_s)
-            e2e.setdefault("1blk", []).append(wall_s)
+    for rep in range(args["one_block_reps"] + 1):
+        for link in (True, False):  # interleaved: both control paths see the same machine
+            data_s, wall_s = pd(1, False, link)
+            if rep:
+                runs[MODES[0]].setdefault("1blk", []).append(data_s)
+                e2e.setdefault("link" if link else "pipe", []).append(wall_s)
     conn.send(("stop",))
     receiver.close()
-    conn.send(("result", {"runs": runs, "e2e": e2e}))
+    conn.send(("result", {"runs": runs, "e2e": e2e, "direct_sends": DIRECT_SENDS[0]}))
 
 
 def _pd_once(conn: Any, receiver: Any, pool: Any, n: int, contiguous: bool, endpoint: str,
-             rng: random.Random, gid: int) -> tuple[float, float]:
+             rng: random.Random, gid: int, link: bool = True) -> tuple[float, float]:
     """One transfer of n blocks: (data-plane seconds of the generation record, wall seconds
-    from issuing the request to the polled result)."""
+    from issuing the request to the polled result). ``link``: the request goes over the
+    direct KV link first, as workers send it; else only through the pipe relay (a control
+    hop through a third process, like the Ray call that used to carry it)."""
     from pdserve.transport.protocol import encode_message
 
     conn.send(("hold", n, contiguous))
@@ -148,7 +152,7 @@ def _pd_once(conn: Any, receiver: Any, pool: Any, n: int, contiguous: bool, endp
     payload = encode_message(req)
     # As a worker does: the direct link first (once the pair's store is connected), then the
     # copy that stands in for the Ray record call, which the context side folds into the first.
-    if receiver.send_direct("bench-ctx", endpoint, payload):
+    if link and receiver.send_direct("bench-ctx", endpoint, payload):
         DIRECT_SENDS[0] += 1
     conn.send(("kv", payload))
     result = None
@@ -164,10 +168,12 @@ def _pd_once(conn: Any, receiver: Any, pool: Any, n: int, contiguous: bool, endp
     return result.seconds, wall
 
 
-def run(sizes_mb: tuple[int, ...], reps: int, chunk_bytes: int, threads: int) -> dict[str, Any]:
+def run(sizes_mb: tuple[int, ...], reps: int, chunk_bytes: int, threads: int,
+        one_block_reps: int = 50) -> dict[str, Any]:
     mpc = mp.get_context("spawn")
     num_blocks = max(sizes_mb) * 2 + 16  # 512 KiB blocks: room for the largest payload twice
     args = {"num_blocks": num_blocks, "chunk_bytes": chunk_bytes, "reps": reps,
+            "one_block_reps": one_block_reps,
             "sizes_mb": sizes_mb, "threads": threads}
     a_ctx, b_ctx = mpc.Pipe()
     ctx = mpc.Process(target=_ctx_main, args=(b_ctx, args), daemon=True)
@@ -201,44 +207,66 @@ def run(sizes_mb: tuple[int, ...], reps: int, chunk_bytes: int, threads: int) ->
     return out
 
 
+def _spread(xs: list[float], scale: float) -> dict[str, float]:
+    """median, min and max of xs * scale."""
+    return {"median": scale * statistics.median(xs), "min": scale * min(xs),
+            "max": scale * max(xs)}
+
+
 def summarize(out: dict[str, Any]) -> dict[str, Any]:
-    med, runs = statistics.median, out["runs"]
+    """Per payload: GB/s of each run (median, min, max) and the ratio of the medians; the ratio
+    of each run to the raw run of the same rep gives min and max of the ratio too."""
+    runs = out["runs"]
     rows = []
     for mb in runs["raw"]:
         nbytes = int(mb) << 20
-        row: dict[str, Any] = {"payload_mb": int(mb),
-                               "raw_gb_s": nbytes / med(runs["raw"][mb]) / 1e9}
+        raw = runs["raw"][mb]
+        row: dict[str, Any] = {"payload_mb": int(mb), "raw_gb_s": _spread([nbytes / t / 1e9 for t in raw], 1)}
         for mode in MODES:
-            row[f"{mode}_gb_s"] = nbytes / med(runs[mode][mb]) / 1e9
-            row[f"{mode}_ratio"] = row[f"{mode}_gb_s"] / row["raw_gb_s"]
+            ts = runs[mode][mb]
+            row[f"{mode}_gb_s"] = _spread([nbytes / t / 1e9 for t in ts], 1)
+            row[f"{mode}_ratio"] = _spread([r / t for r, t in zip(raw, ts)], 1)
         rows.append(row)
     lat = {"one_block_bytes": 512 << 10,
-           "data_plane_ms": 1e3 * med(runs[MODES[0]]["1blk"]),
-           "e2e_ms": 1e3 * med(out["e2e"]["1blk"])}
+           "data_plane_ms": _spread(runs[MODES[0]]["1blk"], 1e3),
+           "e2e_link_ms": _spread(out["e2e"]["link"], 1e3),
+           "e2e_pipe_ms": _spread(out["e2e"]["pipe"], 1e3),
+           "direct_sends": out["direct_sends"]}
     return {"rows": rows, "one_block_latency": lat}
+
+
+def _fmt(d: dict[str, float], digits: int = 2) -> str:
+    return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed transfers per payload and mode")
+    ap.add_argument("--one-block-reps", type=int, default=50,
+                    help="timed one-block transfers per control path")
     ap.add_argument("--chunk-mb", type=float, default=4.0, help="TransportConfig.chunk_bytes")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
-    out = run(tuple(a.sizes_mb), a.reps, int(a.chunk_mb * (1 << 20)), a.threads)
+    out = run(tuple(a.sizes_mb), a.reps, int(a.chunk_mb * (1 << 20)), a.threads,
+              a.one_block_reps)
     s = summarize(out)
     s["config"] = {"backend": "gloo", "reps": a.reps, "chunk_mb": a.chunk_mb,
                    "block_bytes": 512 << 10, "threads": a.threads, "dtype": "float32"}
-    print(f"{'payload':>8} {'raw GB/s':>9} | {'scattered ids':>13} {'ratio':>6} | "
-          f"{'consecutive ids':>15} {'ratio':>6}")
+    print(f"median [min-max] of {a.reps} transfers each; ratio = pdserve / raw, rep by rep")
+    print(f"{'payload':>8} {'raw GB/s':>17} | {'scattered ids GB/s':>18} {'ratio':>17} | "
+          f"{'consecutive ids GB/s':>20} {'ratio':>17}")
     for r in s["rows"]:
-        print(f"{r['payload_mb']:>6}MB {r['raw_gb_s']:>9.2f} | {r['scattered_gb_s']:>13.2f} "
-              f"{r['scattered_ratio']:>6.2f} | {r['consecutive_gb_s']:>15.2f} "
-              f"{r['consecutive_ratio']:>6.2f}")
+        print(f"{r['payload_mb']:>6}MB {_fmt(r['raw_gb_s']):>17} | {_fmt(r['scattered_gb_s']):>18} "
+              f"{_fmt(r['scattered_ratio']):>17} | {_fmt(r['consecutive_gb_s']):>20} "
+              f"{_fmt(r['consecutive_ratio']):>17}")
     lat = s["one_block_latency"]
-    print(f"one 512 KiB block (scattered): data plane {lat['data_plane_ms']:.2f} ms, "
-          f"end to end with control messages {lat['e2e_ms']:.2f} ms")
+    print(f"one 512 KiB block, scattered ids, ms (median [min-max] of {a.one_block_reps}): "
+          f"data plane {_fmt(lat['data_plane_ms'])}")
+    print(f"  end to end, request over the direct KV link: {_fmt(lat['e2e_link_ms'])} "
+          f"({lat['direct_sends']} sent on the link)")
+    print(f"  end to end, request through a relay process: {_fmt(lat['e2e_pipe_ms'])}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2)

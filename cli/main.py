@@ -68,6 +68,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "the rendezvous (default 30; raise it on a loaded machine)")
     parser.add_argument("--kv-transfer-timeout", type=float, dest="transfer_timeout_s", metavar="S",
                         help="seconds one KV transfer may take (default 30)")
+    parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
+                        help="send KV requests by Ray alone, not also over the direct "
+                             "worker-to-worker link")
     group = parser.add_argument_group("engine options (every worker)")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -109,7 +112,7 @@ def launch_config_from_args(args: argparse.Namespace):
         router["port"] = args.port
     top = {k: v for k, v in data.items() if k not in ("engine", "router")}
     for key in ("model", "num_context_workers", "num_generation_workers", "placement",
-                "connect_timeout_s", "transfer_timeout_s"):
+                "connect_timeout_s", "transfer_timeout_s", "kv_link"):
         value = getattr(args, key, None)
         if value is not None:
             top[key] = value

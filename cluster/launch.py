@@ -48,6 +48,9 @@ class LaunchConfig:
     # KV store connect and pair-group set-up. Pairs are set up before a worker reports healthy
     # and rebuilt in the background, so a generous bound costs no request any latency.
     connect_timeout_s: float = 30.0
+    # KV requests over the direct worker-to-worker link as well as Ray (transport/kv_link.py);
+    # off: Ray alone carries them (one actor call on every transfer's critical path)
+    kv_link: bool = True
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1:
@@ -245,7 +248,7 @@ def launch(cfg: LaunchConfig) -> Cluster:
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                       torch_threads=cfg.torch_threads,
                       metrics=WorkerMetrics if cfg.metrics else None,
-                      connect_timeout_s=cfg.connect_timeout_s)
+                      connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link)
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)

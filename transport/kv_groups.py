@@ -52,6 +52,7 @@ class TransportConfig:
     default_timeout_s: float = 30.0  # lease (ctx) / transfer deadline (gen) when none is given
     chunk_bytes: int = 4 << 20  # target payload chunk when blocks are gathered
     num_staging: int = 3  # staging buffers per pair thread (pipeline depth)
+    direct_link: bool = True  # generation side: KV requests over the direct link too (kv_link)
 
 
 def layout_of(pool: KVPool) -> KVLayout:

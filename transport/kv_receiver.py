@@ -50,6 +50,10 @@ class _RecvOp:
     gen_request_id: int
     descriptor: TransferDescriptor  # as issued; a re-issue moves it to a newer group
     deadline: Deadline
+    issued_at: float = 0.0  # perf_counter when the KV request was issued
+
+
+FIRST_BYTE_SAMPLES = 512  # per pair: the latest issue -> header times kept for pair_stats
 
 
 class PairState:
@@ -96,6 +100,9 @@ class _ReceiverPair:
         self.retry_at = 0.0
         self.attempted = False  # an open of this endpoint finished (either way)
         self.stats = {"opens": 0, "open_failures": 0, "reissued": 0, "poisoned": 0}
+        # seconds from issuing a KV request to its header arriving: the control message's
+        # trip plus the context side's queue (what the direct link shortens)
+        self.first_byte_s: deque[float] = deque(maxlen=FIRST_BYTE_SAMPLES)
         # group -> why its PairOpen failed (the context side refused it, or the control call
         # failed): its rendezvous is abandoned at once. Only the group being opened is kept.
         self.refused: dict[str, str] = {}
@@ -171,7 +178,8 @@ class _ReceiverPair:
         """On the pair thread, just connected to ``endpoint``'s store: dial its KV link (if it
         publishes one and none is up). A failure only means control messages go by Ray."""
         link = self.link
-        if link is not None and not link.closed and self.link_endpoint == endpoint:
+        if not self.owner.config.direct_link or (
+                link is not None and not link.closed and self.link_endpoint == endpoint):
             return
         try:
             if not store.check([LINK_KEY]):
@@ -198,7 +206,8 @@ class _ReceiverPair:
             self.next_seq += 1
             d = self.owner.sessions.descriptor(gen_request_id)
             assert d is not None
-            self.queue.append(_RecvOp(gen_request_id, d, Deadline(msg.timeout_s)))
+            self.queue.append(_RecvOp(gen_request_id, d, Deadline(msg.timeout_s),
+                                      time.perf_counter()))
             self.cond.notify()
             return msg
 
@@ -410,6 +419,7 @@ class _ReceiverPair:
             hdr = header_tensor(self.owner.pool.device)
             op.deadline.wait(group.recv(hdr, wire_tag(d.seq, 0)), "header recv")
             header = WireHeader.from_ints(hdr.tolist())
+            self.first_byte_s.append(time.perf_counter() - op.issued_at)
             self._check(header, d)
             if header.status != WireStatus.OK:
                 sessions.fail(rid, f"context side answered {WireStatus(header.status).name}")
@@ -564,8 +574,8 @@ class KVReceiver:
         return all(not p.eager or p.attempted or p.state() == PairState.GONE for p in pairs)
 
     def pair_stats(self) -> dict[str, dict[str, object]]:
-        """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error, and
-        whether its direct control link is up."""
+        """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error,
+        whether its direct control link is up, and the latest issue -> header times (ms)."""
         with self._lock:
             pairs = dict(self._pairs)
         out = {}
@@ -574,7 +584,8 @@ class KVReceiver:
             with p.cond:
                 link = p.link
                 out[w] = {"state": state, "epoch": p.epoch, **p.stats, "last_error": p.last_error,
-                          "link": link is not None and not link.closed}
+                          "link": link is not None and not link.closed,
+                          "first_byte_ms": [round(1e3 * x, 4) for x in p.first_byte_s]}
         return out
 
     def break_pair(self, ctx_worker_id: str) -> bool:

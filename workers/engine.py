@@ -85,7 +85,8 @@ def build_executor(
 def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedModel,
                           config: EngineConfig, *, lease_s: float = 30.0,
                           transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
-                          stall_send_s: Callable[[], float] | None = None) -> tuple[LoadedModel, Executor]:
+                          stall_send_s: Callable[[], float] | None = None,
+                          kv_link: bool = True) -> tuple[LoadedModel, Executor]:
     """A disaggregated worker's executor: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
     each send's first chunk (fault injection: the send stalls while it is above 0)."""
@@ -106,7 +107,8 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
         if role in ("generation", "both"):
             receiver = KVReceiver(worker_id, pool,
                                   config=TransportConfig(default_timeout_s=transfer_timeout_s,
-                                                         connect_timeout_s=connect_timeout_s))
+                                                         connect_timeout_s=connect_timeout_s,
+                                                         direct_link=kv_link))
         return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,
                              transfer_timeout_s=transfer_timeout_s)
 

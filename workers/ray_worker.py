@@ -84,7 +84,7 @@ class RayWorker:
                  lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  torch_threads: int | None = None,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
-                 connect_timeout_s: float = 30.0) -> None:
+                 connect_timeout_s: float = 30.0, kv_link: bool = True) -> None:
         import ray
         import torch
 
@@ -97,6 +97,7 @@ class RayWorker:
         self.loaded, executor = build_worker_executor(
             worker_id, self.role, model_dir, config, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, connect_timeout_s=connect_timeout_s,
+            kv_link=kv_link,
             stall_send_s=lambda: faults.stall_send_s)
         # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
         self.host = WorkerHost(

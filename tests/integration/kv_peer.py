@@ -93,6 +93,13 @@ def main(conn: Any, config: dict[str, Any], stall: dict[str, Any] | None = None)
                 wid, tag, payload = args
                 threading.Thread(target=lambda: send(("done", tag, senders[wid].handle(payload))),
                                  daemon=True).start()
+            elif cmd == "direct":  # a control message over the receiver's direct link only
+                wid, ctx_wid, endpoint, payload = args
+                send(("ok", receivers[wid].send_direct(ctx_wid, endpoint, payload)))
+            elif cmd == "folded":
+                send(("ok", senders[args[0]].folded))
+            elif cmd == "pair_stats":
+                send(("ok", receivers[args[0]].pair_stats()))
             elif cmd == "cancel_ctx":
                 wid, payload = args
                 senders[wid].handle(payload)

@@ -115,6 +115,17 @@ def test_1p1d_matches_engine_and_pauses_under_a_small_generation_pool(cluster, m
     assert all(last.timings.ctx_worker == "ctx-0" and last.timings.kv_transfer_bytes > 0 for _, last in results)
     assert dict(ctx.transfers.outcomes) == {"SENT": len(prompts)}
     assert dict(gen.transfers.outcomes) == {"COMPLETE": len(prompts)}
+    # Each KV request went over the direct link, and its Ray copy (the record) folded into it.
+    pair = ray.get(cl.workers["gen-0"].status.remote(), timeout=60)["kv_pairs"]["ctx-0"]
+    assert pair["link"] is True and len(pair["first_byte_ms"]) >= len(prompts)
+    def folded():  # the last Ray copies may still be on their way
+        return ray.get(cl.workers["ctx-0"].__ray_call__.remote(
+            lambda self: self.host.executor.transceiver.sender.folded), timeout=60)
+
+    end = time.monotonic() + 30
+    while folded() < len(prompts) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert folded() == len(prompts)
 
     # The same figures reach Ray's Prometheus endpoint.
     # (each process exports on its own cycle: wait until both sides' last figures are in)

@@ -316,3 +316,31 @@ def test_receiver_killed_mid_transfer(cluster: Cluster, pair: Any) -> None:
     assert (sent[2], got[2]) == (SendState.SENT, RecvState.COMPLETE)
     assert_landed(ctx, cw, gen2b, "gen2-float32", [20, 21, 22], [1, 2, 3])
     assert ctx.call("counts", cw) == (0, 0)
+
+
+def test_kv_requests_travel_the_direct_link(cluster: Cluster, pair: Any) -> None:
+    """Once the pair's store is connected its direct link is up: a KV request sent over the
+    link alone is served, and the control-plane copy sent afterwards (the Ray record, in a
+    cluster) folds into it: the same answer, one claim, one send."""
+    ctx, gen = pair
+    cw, gw = "ctxA2-float16", "gen1-float16"
+    cluster.transfer(ctx, cw, gen, gw, [1, 2], [3, 4])  # the pair connects (group, link)
+    assert gen.call("pair_stats", gw)[cw]["link"] is True
+    ctx_blocks, gen_blocks = [10, 30, 20], [5, 41, 17]
+    ctx_rid, gen_rid, req = cluster.start(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
+    assert gen.call("direct", gw, cw, cluster.endpoints[cw], req) is True
+    got = gen.call("wait", gw, [gen_rid], DEADLINE_S + 5)
+    assert got[gen_rid][2] == RecvState.COMPLETE
+    assert_landed(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
+    folded = ctx.call("folded", cw)
+    assert cluster.deliver(ctx, cw, gen, gw, gen_rid, req)  # the record copy: the same "ok"
+    assert ctx.call("folded", cw) == folded + 1
+    sent = ctx.call("wait", cw, [ctx_rid], DEADLINE_S + 5)
+    assert sent[ctx_rid][2] == SendState.SENT
+    records = [r for r in ctx.call("records", cw) if r[1] == ctx_rid]
+    assert len(records) == 1 and records[0][5] == "SENT"
+    # a request meant for another incarnation of the context worker is dropped by the link
+    ctx_rid, gen_rid, req = cluster.start(ctx, cw, gen, gw, [11], [6])
+    assert gen.call("direct", gw, cw, cluster.endpoints[cw] + "#1", req) is False
+    cluster.deliver(ctx, cw, gen, gw, gen_rid, req)  # the control plane still carries it
+    assert gen.call("wait", gw, [gen_rid], DEADLINE_S + 5)[gen_rid][2] == RecvState.COMPLETE

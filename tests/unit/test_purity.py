@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = {"torch", "ray", "grpc", "numpy"}
 PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
               ROOT / "transport" / "sessions.py", ROOT / "transport" / "session_sides.py",
-              ROOT / "transport" / "requests",
+              ROOT / "transport" / "requests", ROOT / "transport" / "kv_link.py",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
               ROOT / "cluster" / "prefix_index.py",
               ROOT / "cluster" / "openai_api.py", ROOT / "cluster" / "text_stream.py",

@@ -67,6 +67,7 @@ kv_events = st.lists(st.one_of(st.builds(BlocksStored, st.none() | st.binary(min
 frames = st.one_of(
     st.builds(R.KvEvents, ints, kv_events), st.builds(R.KvSnapshot, ints, kv_events),
     st.just(R.KvSnapshotQuery()), st.builds(R.KvPeers, st.dictionaries(text, text, max_size=3)),
+    st.builds(R.KvControl, text, st.binary(max_size=64)),
     st.builds(R.Hello, st.integers(0, 9), text), st.builds(R.HelloAck, st.integers(0, 9), text),
     st.builds(R.Refused, text), st.builds(R.Generate, wire_requests), st.builds(R.Abort, ints),
     st.builds(R.StatusQuery, st.integers(-2**40, 2**40)), st.builds(R.Update, updates),
@@ -170,3 +171,12 @@ def test_kv_peers_and_pair_states_are_checked():
     assert R.decode_frame(frame) == R.KvPeers({"ctx-0": "127.0.0.1:5000#7"})
     with pytest.raises(R.ProtocolError, match="kv peers.peers"):
         R.decode_frame(msgpack.packb([R.FrameType.KV_PEERS, {"ctx-0": 5}]))
+
+
+def test_kv_control_frames_are_checked():
+    frame = R.encode_frame(R.KvControl("127.0.0.1:5000#7", b"\x00\x01"))
+    assert R.decode_frame(frame) == R.KvControl("127.0.0.1:5000#7", b"\x00\x01")
+    with pytest.raises(R.ProtocolError, match="kv control.payload"):
+        R.decode_frame(msgpack.packb([R.FrameType.KV_CONTROL, "e", "not bytes"]))
+    with pytest.raises(R.ProtocolError, match="kv control.endpoint"):
+        R.decode_frame(msgpack.packb([R.FrameType.KV_CONTROL, 5, b""]))
