@@ -120,11 +120,17 @@ class KVControl:
         opening = isinstance(decode_message(payload), PairOpen)
         message = ControlMessage(ctx_worker_id, payload, endpoint, name,
                                  "kv_pair_open" if opening else "kv_transfer")
-        if self.control is None:
-            raise RuntimeError("no control plane to reach context workers")
+        self._dispatch(message)
+
+    def _dispatch(self, message: ControlMessage) -> None:
+        """Issue one message: over the direct link, then its Ray copy from the pool; or, with
+        no link up, through the control plane now (so in call order). Raises if the control
+        plane cannot take it."""
         if self._send_direct(message):
             self._pool.submit(self._send_and_await, message)
             return
+        if self.control is None:
+            raise RuntimeError("no control plane to reach context workers")
         wait = self.control.send(message)
         self._pool.submit(self._await_reply, message, wait)
 
@@ -153,17 +159,10 @@ class KVControl:
                 message = transceiver.outbox.get_nowait()
             except queue.Empty:
                 return
-            if self._send_direct(message):
-                self._pool.submit(self._send_and_await, message)
-                continue
             try:
-                if self.control is None:
-                    raise RuntimeError("no control plane to reach context workers")
-                wait = self.control.send(message)
+                self._dispatch(message)
             except Exception as exc:
                 self._control_failed(message, exc)
-            else:
-                self._pool.submit(self._await_reply, message, wait)
 
     def _await_reply(self, message: ControlMessage, wait: Callable[[], "bytes | None"]) -> None:
         receiver = self.transceiver.receiver
