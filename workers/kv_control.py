@@ -89,8 +89,7 @@ class KVControl:
         if not isinstance(msg, KVRequest):
             # a cancel for a previous incarnation: nothing of it is left here
             return transceiver.sender.handle(payload) if mine else None
-        held = transceiver.transmitting.get(msg.ctx_request_id)  # a dict read
-        client = events.label(msg.ctx_request_id, held.client_id if held is not None else None)
+        client = events.label(msg.ctx_request_id, transceiver.client_of(msg.ctx_request_id))
         if mine:
             reply = transceiver.sender.handle(payload)
         else:

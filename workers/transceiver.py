@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, lifecycle
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.transceiver")
 S = LlmRequestState
+SENT_CLIENTS_KEPT = 4096  # finished context requests whose client id a late record may ask for
 
 
 class ControlMessage(NamedTuple):
@@ -69,6 +71,9 @@ class KVTransceiver:
             side.sessions.count_into(self.transfers)
         # Context side: finished context-only requests whose blocks are leased.
         self.transmitting: dict[int, LlmRequest] = {}
+        # ... and the client ids of the latest that finished: a KV request's Ray copy (the
+        # dashboard's record) may arrive after the send its direct copy started is over.
+        self._sent_clients: OrderedDict[int, str | None] = OrderedDict()
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
         self.draining: dict[int, LlmRequest] = {}
         # Generation side: request id -> (bytes, seconds, blocks moved) of its completed
@@ -242,10 +247,20 @@ class KVTransceiver:
             if side is not None:
                 side.close()
 
+    def client_of(self, ctx_request_id: int) -> str | None:
+        """The client id of a context request whose KV is (or was lately) leased; any thread."""
+        held = self.transmitting.get(ctx_request_id)  # dict reads: atomic under the GIL
+        if held is not None:
+            return held.client_id
+        return self._sent_clients.get(ctx_request_id)
+
     def _finish_send(self, result, kv) -> None:
         request = self.transmitting.pop(result.request_id, None)
         if request is None:
             return
+        self._sent_clients[result.request_id] = request.client_id
+        while len(self._sent_clients) > SENT_CLIENTS_KEPT:
+            self._sent_clients.popitem(last=False)
         state = S.DISAGG_CONTEXT_COMPLETE if result.ok else S.DISAGG_TRANS_ERROR
         if result.state.name == "EXPIRED":  # counted by the transport's TransferLog
             log.warning("request %d: lease expired before a generation worker claimed its KV; "
