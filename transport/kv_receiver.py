@@ -37,7 +37,8 @@ from .sessions import TransferResult
 
 MAX_GONE_ENDPOINTS = 1024  # context endpoints remembered as gone (restarts are rare)
 OPEN_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)  # waits after 1, 2, ... failed opens (the last repeats)
-LINK_CONNECT_S = 2.0  # dialling a context worker's KV link (loopback or LAN: milliseconds)
+LINK_CONNECT_S = 5.0  # dialling a context worker's KV link (on a helper thread)
+LINK_RETRY_S = 1.0  # after a failed dial (or a link that closed), the next try at the next op
 # (ctx worker id, its endpoint, encoded control message, what the dashboard calls the call):
 # delivers a control message from any thread; the answer comes back through ``handle``.
 ControlSink = Callable[[str, str, bytes, str], None]
@@ -92,6 +93,8 @@ class _ReceiverPair:
         # set by the pair thread when it connects to that store, used by any thread.
         self.link: KvLink | None = None
         self.link_endpoint = ""
+        self.link_dialing = False  # a helper thread is dialling (set on the pair thread)
+        self.link_retry_at = 0.0
         self.group: PairGroup | None = None
         self.staging = StagingRing(owner.config.num_staging, owner.pool.device)
         # eager set-up (under cond): the group open and serving, when to try the next open
@@ -174,23 +177,40 @@ class _ReceiverPair:
         if link is not None:
             link.close()
 
-    def _connect_link(self, store: dist.TCPStore, endpoint: str) -> None:
-        """On the pair thread, just connected to ``endpoint``'s store: dial its KV link (if it
-        publishes one and none is up). A failure only means control messages go by Ray."""
+    def _connect_link(self, store: dist.TCPStore | None, endpoint: str) -> None:
+        """On the pair thread, connected to ``endpoint``'s store: unless a link to it is up
+        (or being dialled, or failed less than LINK_RETRY_S ago), read what it publishes and
+        dial on a helper thread, so a slow peer never holds a transfer. Also called before
+        each op, so a link that closed comes back. A failure only means Ray carries the
+        control messages alone meanwhile."""
         link = self.link
-        if not self.owner.config.direct_link or (
-                link is not None and not link.closed and self.link_endpoint == endpoint):
+        if (not self.owner.config.direct_link or store is None or self.link_dialing
+                or time.monotonic() < self.link_retry_at
+                or (link is not None and not link.closed and self.link_endpoint == endpoint)):
             return
+        self.link_retry_at = time.monotonic() + LINK_RETRY_S
         try:
             if not store.check([LINK_KEY]):
                 return
             address, token = parse_published(store.get(LINK_KEY).decode())
-            new = KvLink(address, token, timeout_s=LINK_CONNECT_S)
         except Exception as exc:  # noqa: BLE001 - Ray carries every control message anyway
             log.info("%s: no KV link to %s (%s); control messages go by Ray",
                      self.owner.worker_id, self.ctx_worker_id, failure_reason(exc))
             return
+        self.link_dialing = True
+        threading.Thread(target=self._dial_link, args=(address, token, endpoint),
+                         name=f"pdserve-kv-link-{self.ctx_worker_id}", daemon=True).start()
+
+    def _dial_link(self, address: str, token: str, endpoint: str) -> None:
+        try:
+            new = KvLink(address, token, timeout_s=LINK_CONNECT_S)
+        except Exception as exc:  # noqa: BLE001 - tried again at a later op
+            log.info("%s: KV link to %s failed (%s); control messages go by Ray meanwhile",
+                     self.owner.worker_id, self.ctx_worker_id, failure_reason(exc))
+            self.link_dialing = False
+            return
         with self.cond:
+            self.link_dialing = False
             if endpoint != self.endpoint or self.stopping:
                 new.close()
                 return
@@ -414,6 +434,8 @@ class _ReceiverPair:
     def _execute(self, op: _RecvOp, endpoint: str) -> None:
         d, sessions, rid = op.descriptor, self.owner.sessions, op.gen_request_id
         proceed, t0 = False, time.perf_counter()
+        if self.store_endpoint == endpoint:
+            self._connect_link(self.store, endpoint)  # a link that closed comes back
         try:
             group = self._ensure_group(d.group, endpoint, op.deadline)
             hdr = header_tensor(self.owner.pool.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -325,6 +326,9 @@ def test_kv_requests_travel_the_direct_link(cluster: Cluster, pair: Any) -> None
     ctx, gen = pair
     cw, gw = "ctxA2-float16", "gen1-float16"
     cluster.transfer(ctx, cw, gen, gw, [1, 2], [3, 4])  # the pair connects (group, link)
+    end = time.monotonic() + DEADLINE_S  # the link is dialled on a helper thread
+    while not gen.call("pair_stats", gw)[cw]["link"] and time.monotonic() < end:
+        time.sleep(0.05)
     assert gen.call("pair_stats", gw)[cw]["link"] is True
     ctx_blocks, gen_blocks = [10, 30, 20], [5, 41, 17]
     ctx_rid, gen_rid, req = cluster.start(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
