@@ -4,6 +4,7 @@ install (test_cli.py) and with a wheel installed into a fresh virtualenv (test_p
 from __future__ import annotations
 
 import json
+import random
 import select
 import socket
 import subprocess
@@ -12,9 +13,23 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: the cluster's own listeners (stores,
+    channels, KV links) bind port 0 and get ephemeral ports, so they can never take it between
+    this check and the router binding it (an ephemeral free port could be, and once was)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], workdir: Path) -> None:
