@@ -58,7 +58,6 @@ class KvLinkServer:
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()
         self._closed = False
-        self.frames = 0  # KvControl frames handed over (tests, stats)
         threading.Thread(target=self._accept, name=f"{name}-kv-link-accept", daemon=True).start()
 
     @property
@@ -112,7 +111,6 @@ class KvLinkServer:
                     if registered:
                         if not isinstance(frame, KvControl):
                             raise ProtocolError(f"a KV link does not take {type(frame).__name__}")
-                        self.frames += 1
                         try:
                             self._on_message(frame.endpoint, frame.payload)
                         except Exception as exc:  # noqa: BLE001 - one bad message is dropped
@@ -172,7 +170,6 @@ class KvLink:
         self._sock = sock
         self._lock = threading.Lock()
         self.closed = False
-        self.sent = 0
 
     def send(self, endpoint: str, payload: bytes) -> bool:
         """Write one control message; False (and the link closed) if that failed."""
@@ -186,7 +183,6 @@ class KvLink:
                 log.info("KV link %s: write failed (%r); closing it", self.address, exc)
                 self._close_locked()
                 return False
-            self.sent += 1
             return True
 
     def close(self) -> None:

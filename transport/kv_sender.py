@@ -12,7 +12,6 @@ dashboard's record): ``submit`` runs the first copy and hands the second the sam
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -42,8 +41,6 @@ RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy
 # How long an op is remembered after it was submitted, beyond its own timeout: the second copy
 # of a KV request (direct link and Ray both carry it) folds into the first within this window.
 DEDUP_MARGIN_S = 60.0
-
-log = logging.getLogger("pdserve.transport")
 
 
 @dataclass(slots=True)
@@ -397,8 +394,7 @@ class KVSender:
         answered with an encoded TransferDone once it is over) or a cancel (no answer)."""
         msg = decode_message(payload)
         if isinstance(msg, CancelTransfer):
-            self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
-                        gen_worker_id=msg.gen_worker_id)
+            self._cancel_from(msg)
             return None
         if isinstance(msg, PairOpen):
             future = self.open(msg)
@@ -431,10 +427,13 @@ class KVSender:
         if isinstance(msg, KVRequest):
             self.submit(msg)  # the Ray copy waits on the same future and answers
         elif isinstance(msg, CancelTransfer):
-            self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
-                        gen_worker_id=msg.gen_worker_id)
+            self._cancel_from(msg)
         else:
             raise ProtocolError(f"the KV link does not take {type(msg).__name__}")
+
+    def _cancel_from(self, msg: CancelTransfer) -> None:
+        self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
+                    gen_worker_id=msg.gen_worker_id)
 
     def break_pair(self, gen_worker_id: str) -> bool:
         """Fault injection: cut the pair group's connections, as a dying peer or a broken

@@ -126,24 +126,24 @@ class KVControl:
         no link up, through the control plane now (so in call order). Raises if the control
         plane cannot take it."""
         if self._send_direct(message):
-            self._pool.submit(self._send_and_await, message)
+            self._pool.submit(self._record, message)
             return
+        self._pool.submit(self._await_reply, message, self._send_by_control(message))
+
+    def _send_by_control(self, message: ControlMessage) -> Callable[[], "bytes | None"]:
         if self.control is None:
             raise RuntimeError("no control plane to reach context workers")
-        wait = self.control.send(message)
-        self._pool.submit(self._await_reply, message, wait)
+        return self.control.send(message)
 
     def _send_direct(self, message: ControlMessage) -> bool:
         receiver = self.transceiver.receiver if self.transceiver is not None else None
         return (message.method == "kv_transfer" and receiver is not None
                 and receiver.send_direct(message.ctx_worker_id, message.endpoint, message.payload))
 
-    def _send_and_await(self, message: ControlMessage) -> None:
-        """On the pool: the Ray copy of a message the direct link already delivered."""
+    def _record(self, message: ControlMessage) -> None:
+        """On the pool: the Ray copy (the record) of a message the direct link delivered."""
         try:
-            if self.control is None:
-                raise RuntimeError("no control plane to reach context workers")
-            wait = self.control.send(message)
+            wait = self._send_by_control(message)
         except Exception as exc:
             self._control_failed(message, exc)
             return
