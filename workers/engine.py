@@ -86,10 +86,12 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
                           config: EngineConfig, *, lease_s: float = 30.0,
                           transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                           stall_send_s: Callable[[], float] | None = None,
-                          kv_link: bool = True) -> tuple[LoadedModel, Executor]:
+                          kv_link: bool = True, host: str = "127.0.0.1") -> tuple[LoadedModel, Executor]:
     """A disaggregated worker's executor: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
-    each send's first chunk (fault injection: the send stalls while it is above 0)."""
+    each send's first chunk (fault injection: the send stalls while it is above 0). ``host``
+    is this node's address: a context worker's KV store and KV link bind and advertise it, so
+    generation workers on other nodes can reach them (a Ray worker passes its node's IP)."""
     from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
 
     def hook(descriptor, chunk_index):
@@ -102,11 +104,12 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
         sender = receiver = None
         if role in ("context", "both"):
             sender = KVSender(worker_id, pool, send_hook=hook if stall_send_s else None,
-                              config=TransportConfig(default_timeout_s=lease_s,
+                              config=TransportConfig(host=host, default_timeout_s=lease_s,
                                                      connect_timeout_s=connect_timeout_s))
         if role in ("generation", "both"):
             receiver = KVReceiver(worker_id, pool,
-                                  config=TransportConfig(default_timeout_s=transfer_timeout_s,
+                                  config=TransportConfig(host=host,
+                                                         default_timeout_s=transfer_timeout_s,
                                                          connect_timeout_s=connect_timeout_s,
                                                          direct_link=kv_link))
         return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,

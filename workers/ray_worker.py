@@ -16,10 +16,12 @@ If the step loop itself dies the process exits, so Ray restarts it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
@@ -37,6 +39,11 @@ log = logging.getLogger("pdserve.worker")
 UPDATE_WAIT_S = 600.0  # longest wait for one update of a request without a deadline
 FATAL_EXIT_DELAY_S = 1.0  # lets the error updates reach the router before the process exits
 CONTROL_MARGIN_S = 15.0  # a kv_transfer call may take the transfer's timeout plus this
+
+
+class ModelDirMissing(RuntimeError):
+    """The model directory is not on this worker's node (a constructor error: Ray does not
+    restart the actor, and `pdserve launch` reports this message)."""
 
 
 class RayControlPlane:
@@ -92,18 +99,27 @@ class RayWorker:
             torch.set_num_threads(torch_threads)
         events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page
         self.worker_id = worker_id
+        # Every address this worker advertises is its node's: the request channel, the KV
+        # store and the KV link (127.0.0.1 would reach only peers on the same node).
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        if not Path(model_dir).is_dir():
+            raise ModelDirMissing(
+                f"{worker_id}: the model directory {model_dir} does not exist on node "
+                f"{self.node_id} ({self.node_ip}); it must be at the same path on every node "
+                "that runs pdserve workers (copy it there, or use a shared filesystem)")
         config = EngineConfig.from_kwargs(engine)
         faults = Faults(stall_send_s=stall_send_s)
         self.loaded, executor = build_worker_executor(
             worker_id, self.role, model_dir, config, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, connect_timeout_s=connect_timeout_s,
-            kv_link=kv_link,
+            kv_link=kv_link, host=self.node_ip,
             stall_send_s=lambda: faults.stall_send_s)
         # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
         self.host = WorkerHost(
             executor, worker_id=worker_id, role=self.role, config=config,
             control=RayControlPlane(transfer_timeout_s),
-            channel_host=ray.util.get_node_ip_address(),
+            channel_host=self.node_ip,
             metrics=metrics(self.role, actor_name(worker_id)) if metrics is not None else None,
             faults=faults, on_fatal=self._on_fatal)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, executor.kv.num_blocks,
@@ -128,7 +144,8 @@ class RayWorker:
         return f"{type(self).__name__}({self.worker_id})"  # the dashboard's Actors page shows it
 
     def info(self) -> WorkerInfo:
-        return self.host.info(self.loaded.config.vocab_size)
+        return dataclasses.replace(self.host.info(self.loaded.config.vocab_size),
+                                   node_id=self.node_id, node_ip=self.node_ip)
 
     def generate(self, wire: WireRequest) -> Iterator[WireUpdate]:
         """The request's updates as a Ray streaming generator (for callers holding only an

@@ -180,6 +180,8 @@ class WorkerInfo:
     incarnation: int
     request_endpoint: str  # the request channel
     request_token: str  # the request channel's hello token
+    node_id: str = ""  # the Ray node it runs on (hex id) and that node's IP; "" off Ray
+    node_ip: str = ""
 
 
 @dataclass(frozen=True, slots=True)
