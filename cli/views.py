@@ -412,6 +412,18 @@ def limits_table(status: Any) -> Table:
     return table
 
 
+def nodes_table(status: Any) -> Table:
+    """Where each worker runs (pdserve status): its Ray node's IP and id (the id folds in its
+    cell; it is what the dashboard's Cluster page and `ray list nodes` show)."""
+    table = _table()
+    _text(table, "worker", ID_WIDTH)
+    _text(table, "node IP", 15, no_wrap=False)
+    _text(table, "Ray node id")
+    for w in status.workers:
+        table.add_row(w.worker_id, w.node_ip or "-", w.node_id or "-")
+    return table
+
+
 def render_status(status: Any, *, address: str = "") -> RenderableType:
     """What ``pdserve status`` prints."""
     head = Text("pdserve cluster", style="bold")
@@ -423,6 +435,8 @@ def render_status(status: Any, *, address: str = "") -> RenderableType:
     parts.append(status_table(status))
     parts.append(Text(STATUS_LEGEND, style="dim"))
     parts.append(limits_table(status))
+    if any(w.node_id or w.node_ip for w in status.workers):
+        parts.append(nodes_table(status))
     if status.max_input_len:
         parts.append(_line("accepts", f"prompt <= {count(status.max_input_len)} tokens",
                            f"prompt + max_tokens <= {count(status.max_seq_len)}",

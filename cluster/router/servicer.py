@@ -157,7 +157,7 @@ def worker_status_proto(router: "Router", worker_id: str):
     info = registry.infos[worker_id]
     role = pb.WORKER_ROLE_CONTEXT if info.role == "context" else pb.WORKER_ROLE_GENERATION
     limits = dict(max_input_len=info.max_input_len or 0, max_seq_len=info.max_seq_len or 0,
-                  max_num_tokens=info.max_num_tokens)
+                  max_num_tokens=info.max_num_tokens, node_id=info.node_id, node_ip=info.node_ip)
     s, age, why = registry.current_status(worker_id)
     if s is None:
         return pb.WorkerStatus(worker_id=worker_id, role=role, healthy=False,

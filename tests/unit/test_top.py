@@ -324,3 +324,18 @@ def test_status_json_help_documents_the_field_names(capsys):
         cli.main(["status", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "camelCase" in out and "JSON number" in out
+
+
+def test_status_shows_each_workers_node_when_known():
+    status = make_status(3)
+    plain = render(views.render_status(status))
+    assert "node IP" not in plain  # no node known (a status without them): no table
+    for i, w in enumerate(status.workers):
+        w.node_id, w.node_ip = f"{i:02x}" * 28, f"10.0.0.{i + 1}"
+    text = render(views.render_status(status, address="127.0.0.1:50051"))
+    nodes = ["worker", "node IP", "Ray node id"]
+    assert_fits_80(text, STATUS_HEADERS + [nodes])
+    ids = "".join(column_text(text, nodes, "Ray node id").split())  # folded ids, rejoined
+    for i, w in enumerate(status.workers):
+        assert f"10.0.0.{i + 1}" in column_text(text, nodes, "node IP")
+        assert f"{i:02x}" * 28 in ids
