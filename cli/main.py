@@ -58,7 +58,14 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-decode-weight", type=float,
                         help="kv-aware: the weight of KV blocks in use on a worker (default 0.25)")
     parser.add_argument("--max-local-prefill-length", type=int)
-    parser.add_argument("--placement", choices=["pack", "spread"])
+    parser.add_argument("--placement", choices=["pack", "spread"],
+                        help="pack the workers onto few nodes (default) or spread them over many")
+    for role in ("context", "generation"):
+        parser.add_argument(f"--{role}-resources", type=_resources_flag(f"--{role}-resources"),
+                            metavar="JSON",
+                            help=f"extra Ray resources each {role} worker needs, as JSON (e.g. "
+                                 f"'{{\"{'prefill' if role == 'context' else 'decode'}_node\": 1}}'): "
+                                 "pins the role to nodes started with them (`ray start --resources`)")
     parser.add_argument("--max-queue", type=int)
     parser.add_argument("--max-retries", type=int)
     parser.add_argument("--agent-types", help="comma-separated agent types for the agent-tree order")
@@ -80,6 +87,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=int)
         else:
             group.add_argument(flag)
+
+
+def _resources_flag(flag: str):
+    """argparse type for a resources flag: a JSON object of resource names to amounts; a bad
+    value is an argparse error naming the flag."""
+    def parse(text: str) -> dict:
+        from pdserve.cluster.launch import check_resources
+
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+        try:
+            check_resources(flag, value)
+        except ValueError as exc:  # argparse names the flag already
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
+        return value
+
+    parse.__name__ = "resources JSON"  # argparse names the type in its message
+    return parse
 
 
 def launch_config_from_args(args: argparse.Namespace):
@@ -112,7 +139,8 @@ def launch_config_from_args(args: argparse.Namespace):
         router["port"] = args.port
     top = {k: v for k, v in data.items() if k not in ("engine", "router")}
     for key in ("model", "num_context_workers", "num_generation_workers", "placement",
-                "connect_timeout_s", "transfer_timeout_s", "kv_link"):
+                "connect_timeout_s", "transfer_timeout_s", "kv_link", "context_resources",
+                "generation_resources"):
         value = getattr(args, key, None)
         if value is not None:
             top[key] = value
@@ -127,11 +155,21 @@ def _launch(argv: list[str]) -> int:
 
     import ray
 
-    from pdserve.cluster.launch import ensure_ray, launch
+    from pdserve.cluster.launch import LaunchError, RayJoinError, ensure_ray, launch
 
-    owns_ray = ensure_ray(args.address, num_cpus=max(os.cpu_count() or 1,
-                                                     cfg.num_context_workers + cfg.num_generation_workers + 1))
-    cluster = launch(cfg)
+    try:
+        owns_ray = ensure_ray(args.address, num_cpus=max(
+            os.cpu_count() or 1, cfg.num_context_workers + cfg.num_generation_workers + 1))
+    except RayJoinError as exc:
+        print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 2
+    try:
+        cluster = launch(cfg)
+    except LaunchError as exc:  # what it created is removed already
+        print(str(exc), file=sys.stderr)
+        if owns_ray:
+            ray.shutdown()
+        return 1
     dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
     http = f"{cfg.router.http_host}:{cluster.http_port}" if cluster.http_port is not None else None
     print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "http": http, "workers": sorted(cluster.workers),
@@ -279,12 +317,15 @@ def _shutdown(argv: list[str]) -> int:
                              "other subcommands take it); otherwise nothing is killed")
     args = parser.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    from pdserve.cluster.launch import NAMESPACE, ROUTER_NAME, client_auth_env, shutdown_all
+    from pdserve.cluster.launch import NAMESPACE, ROUTER_NAME, RayJoinError, join_ray, shutdown_all
 
-    client_auth_env()
     import ray
 
-    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        join_ray(args.address)
+    except RayJoinError as exc:
+        print(f"pdserve shutdown: {exc}", file=sys.stderr)
+        return 2
     if args.port is not None:
         try:
             port = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).port.remote(), timeout=30)

@@ -51,6 +51,11 @@ class LaunchConfig:
     # KV requests over the direct worker-to-worker link as well as Ray (transport/kv_link.py);
     # off: Ray alone carries them (one actor call on every transfer's critical path)
     kv_link: bool = True
+    # Extra Ray resources each worker's placement bundle asks for, per role: pins a role to the
+    # nodes that offer them (``ray start --resources '{"prefill_node": 8}'``), so context and
+    # generation workers can live on different node types.
+    context_resources: dict[str, float] = field(default_factory=dict)
+    generation_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1:
@@ -59,6 +64,23 @@ class LaunchConfig:
             raise ValueError("num_context_workers must be >= 0")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be pack or spread, got {self.placement!r}")
+        for name in ("context_resources", "generation_resources"):
+            check_resources(name, getattr(self, name))
+
+
+def check_resources(name: str, value: Any) -> None:
+    """A per-role resource request: a mapping of resource names to non-negative numbers. CPU
+    and GPU are pdserve's own (one of each per worker, GPU where the cluster has GPUs)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping of Ray resource names to amounts, got {value!r}")
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{name}: resource names must be non-empty strings, got {key!r}")
+        if key in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"{name}: {key!r} is set by pdserve (one CPU, and one GPU where "
+                             "there are GPUs, per worker); name a custom resource instead")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+            raise ValueError(f"{name}: {key!r} must be a number >= 0, got {amount!r}")
 
 
 def builtin_model_dir() -> Path:
@@ -80,11 +102,110 @@ def builtin_model_dir() -> Path:
     return path
 
 
-def client_auth_env() -> None:
-    """Ray 2.60 turns token auth on for local clusters it starts, but a driver joining an
-    existing cluster only sends the token in token mode: enable it when a token is at hand."""
-    if os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").exists():
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+class RayJoinError(RuntimeError):
+    """Joining a Ray cluster failed for a reason the user fixes; the message says how."""
+
+
+AUTH_DOCS = "https://docs.ray.io/en/latest/ray-security/token-auth.html"
+# A cheap GCS method every client calls first; with token auth on, the GCS answers it (like
+# every method) UNAUTHENTICATED unless the call carries the cluster's token.
+_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def gcs_auth_mode(gcs_address: str, token: str | None = None, timeout_s: float = 10.0) -> str:
+    """What the cluster's GCS at ``gcs_address`` (host:port) says to one call carrying
+    ``token`` (or none): "ok", or "unauthenticated" (token auth is on and the token is missing
+    or not the cluster's). Raises ``RayJoinError`` when nothing answers there."""
+    import grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(gcs_address) as channel:
+        call = channel.unary_unary(_PROBE_METHOD, request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        try:
+            call(b"", timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                return "unauthenticated"
+            raise RayJoinError(f"no Ray cluster answers at {gcs_address} ({exc.code().name}: "
+                               f"{exc.details()}); is `ray start` running there?") from None
+    return "ok"
+
+
+def _ray_token() -> tuple[str | None, str]:
+    """The token Ray itself would send from this process, and where it comes from. Ray's own
+    loader reads RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token."""
+    where = ("RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
+             f"the file {os.environ['RAY_AUTH_TOKEN_PATH']} (RAY_AUTH_TOKEN_PATH)"
+             if os.environ.get("RAY_AUTH_TOKEN_PATH") else "~/.ray/auth_token")
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+
+        loader = AuthenticationTokenLoader.instance()
+        loader.reset_cache()  # the environment may have changed since it last looked
+        if not loader.has_token(ignore_auth_mode=True):
+            return None, where
+        token = loader.get_raw_token(ignore_auth_mode=True)
+        return (token.strip() or None) if isinstance(token, str) else None, where
+    except (ImportError, AttributeError):  # a Ray without token auth
+        return None, where
+
+
+def _use_token_auth() -> None:
+    """Token mode for this process and what it starts, as Ray's own ``ray.init`` does for a
+    local cluster: the variable, then the cached config re-read so this process sees it."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):
+        pass
+
+
+def prepare_ray_auth(address: str) -> None:
+    """Detect the auth mode of the Ray cluster at ``address`` (host:port, or "auto") and set
+    this process up to join it. Ray 2.60 sends its token only in token mode, and turns that on
+    by itself only for a cluster it finds with "auto"; a driver that joins a token cluster
+    without it fails later and obscurely ("Actor creation cancelled"). So: ask the GCS, and
+    either turn token mode on with the token Ray finds here, or fail now saying what to set."""
+    if address.startswith("ray://"):
+        return  # Ray Client: its own connection, nothing to detect here
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        gcs_address = canonicalize_bootstrap_address_or_die(address)
+    except (ImportError, ValueError, ConnectionError) as exc:
+        raise RayJoinError(f"no Ray cluster found at --address {address}: {exc}") from None
+    if gcs_auth_mode(gcs_address) == "ok":
+        return  # token auth off there: join as is
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        raise RayJoinError(
+            f"the Ray cluster at {gcs_address} has token authentication on, but RAY_AUTH_MODE="
+            f"{mode} is set here: unset it or set RAY_AUTH_MODE=token ({AUTH_DOCS})")
+    token, where = _ray_token()
+    if token is None:
+        raise RayJoinError(
+            f"the Ray cluster at {gcs_address} has token authentication on and this machine has "
+            "no token: set RAY_AUTH_TOKEN to the cluster's token (print it on the head node with "
+            "`ray get-auth-token`), or write it to ~/.ray/auth_token, or name the file in "
+            f"RAY_AUTH_TOKEN_PATH ({AUTH_DOCS})")
+    if gcs_auth_mode(gcs_address, token) != "ok":
+        raise RayJoinError(
+            f"the Ray cluster at {gcs_address} refuses the token from {where}: it is not that "
+            "cluster's token (print the right one on the head node with `ray get-auth-token`)")
+    _use_token_auth()
+
+
+def join_ray(address: str) -> None:
+    """``ray.init`` on the existing cluster at ``address``, its auth mode detected first
+    (``prepare_ray_auth``). Every command that joins a cluster goes through here."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    prepare_ray_auth(address)
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
 def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bool:
@@ -100,8 +221,7 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
     # from kill to healthy, 4-6 s at nice 0; bench/recovery.py).
     os.environ.setdefault("RAY_worker_niceness", "0")
     if address:
-        client_auth_env()
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        join_ray(address)
         return False
     start_embedded(ray.init, namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
                    dashboard_host="127.0.0.1", log_to_driver=False)
@@ -211,7 +331,72 @@ class Cluster:
             remove_placement_group(self.placement_group)
 
 
+class LaunchError(RuntimeError):
+    """A launch that failed; what it had created is removed by then, and the message says why."""
+
+
 def launch(cfg: LaunchConfig) -> Cluster:
+    """Place the workers, start them and the router. A launch that fails midway removes the
+    actors and the placement group it created before it raises ``LaunchError``."""
+    created: dict[str, Any] = {}  # name -> actor handle, in creation order
+    pg_box: list[Any] = []
+    try:
+        return _launch(cfg, created, pg_box)
+    except BaseException as exc:
+        removed = _remove_created(created, pg_box)
+        if not isinstance(exc, Exception):  # Ctrl-C: cleaned up, and still an interrupt
+            raise
+        why = _failure_reason(exc)
+        raise LaunchError(f"pdserve launch failed: {why} (removed what it had created: "
+                          f"{', '.join(removed) or 'nothing'})") from exc
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """One readable reason. A worker's constructor error travels inside Ray's actor-death
+    message, after a traceback: the line naming the worker's own error is the reason."""
+    if isinstance(exc, LaunchError):
+        return str(exc)
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    marked = [ln for ln in lines if "ModelDirMissing" in ln]
+    return (marked[-1] if marked else lines[-1] if lines else type(exc).__name__)[:2000]
+
+
+def _remove_created(created: dict[str, Any], pg_box: list[Any]) -> list[str]:
+    import ray
+
+    removed = []
+    for name, handle in reversed(list(created.items())):
+        try:
+            ray.kill(handle, no_restart=True)
+            removed.append(name)
+        except Exception:
+            pass
+    if pg_box:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(pg_box[0])
+            removed.append("placement group pdserve-workers")
+        except Exception:
+            pass
+    return removed
+
+
+def check_feasible(bundles: list[dict[str, float]], roles: list[str]) -> None:
+    """Fail at once, naming the role and what it asked for, when no node of the cluster has
+    the resources of a worker's bundle (a placement group would otherwise wait forever)."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for role, bundle in zip(roles, bundles):
+        if not any(all(res.get(k, 0) >= v for k, v in bundle.items()) for res in nodes):
+            offered = sorted({k for res in nodes for k in res if not k.startswith("node:")
+                              and not k.startswith("bundle_group")})
+            raise LaunchError(f"no node of the Ray cluster has the resources a {role} worker "
+                              f"asks for, {bundle}; the nodes offer: {', '.join(offered)}")
+
+
+def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cluster:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -222,16 +407,28 @@ def launch(cfg: LaunchConfig) -> Cluster:
 
     model_dir = Path(cfg.model) if cfg.model else builtin_model_dir()
     use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-    roles = [("ctx", i, ContextWorker, cfg.context_engine) for i in range(cfg.num_context_workers)]
-    roles += [("gen", i, GenerationWorker, cfg.generation_engine) for i in range(cfg.num_generation_workers)]
-    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in roles],
-                         strategy="PACK" if cfg.placement == "pack" else "SPREAD",
+    roles = [("ctx", i, ContextWorker, cfg.context_engine, cfg.context_resources)
+             for i in range(cfg.num_context_workers)]
+    roles += [("gen", i, GenerationWorker, cfg.generation_engine, cfg.generation_resources)
+              for i in range(cfg.num_generation_workers)]
+    base = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    # One bundle per worker: its CPU (and GPU) plus the role's own resources, which pin it to
+    # the nodes that offer them; pack/spread decides among those nodes.
+    bundles = [{**base, **{k: float(v) for k, v in extra.items() if v}}
+               for _, _, _, _, extra in roles]
+    check_feasible(bundles, [f"{p}-{i}" for p, i, *_ in roles])
+    pg = placement_group(bundles, strategy="PACK" if cfg.placement == "pack" else "SPREAD",
                          name="pdserve-workers")
-    ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+    pg_box.append(pg)
+    try:
+        ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise LaunchError(f"the workers' placement group ({len(bundles)} bundles, "
+                          f"{cfg.placement}) was not placed within {READY_TIMEOUT_S:.0f} s; "
+                          f"free resources now: {ray.available_resources()}") from None
 
     workers: dict[str, Any] = {}
-    for index, (prefix, i, cls, overrides) in enumerate(roles):
+    for index, (prefix, i, cls, overrides, _) in enumerate(roles):
         worker_id = f"{prefix}-{i}"
         engine = {**cfg.engine, **overrides}
         if use_gpu:
@@ -242,7 +439,7 @@ def launch(cfg: LaunchConfig) -> Cluster:
             # Ray records which log lines each actor task wrote, so a kv_transfer row in the
             # dashboard's task table links to its own line (duration, GB/s, outcome).
             runtime_env={"env_vars": {"RAY_ENABLE_RECORD_ACTOR_TASK_LOGGING": "1"}},
-            max_concurrency=256, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            max_concurrency=256, num_cpus=base["CPU"], num_gpus=base.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
@@ -252,7 +449,9 @@ def launch(cfg: LaunchConfig) -> Cluster:
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
-    router, port, http_port = _start_router(cfg.router, workers, model_dir, cfg.metrics)
+        created[actor_name(worker_id)] = workers[worker_id]
+    router, port, http_port = _start_router(cfg.router, workers, model_dir, cfg.metrics,
+                                            created=created)
     log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d%s",
              cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port,
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
@@ -260,19 +459,36 @@ def launch(cfg: LaunchConfig) -> Cluster:
 
 
 def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,
-                  metrics: bool) -> tuple[Any, int, int | None]:
+                  metrics: bool, created: dict[str, Any] | None = None) -> tuple[Any, int, int | None]:
     """The router actor, started on ``workers`` (their current infos). Returns (handle, gRPC
-    port, HTTP port or None) once it serves: every worker heard and ready, or its wait over."""
+    port, HTTP port or None) once it serves: every worker heard and ready, or its wait over.
+
+    The router runs on this driver's node: its gRPC and HTTP ports are where `pdserve launch`
+    says they are, it reads the model directory (tokenizer, chat template) this process has,
+    and a lost worker node never takes it down."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from pdserve.cluster.router_actor import RouterActor
 
-    infos = dict(zip(workers, ray.get([w.info.remote() for w in workers.values()],
-                                      timeout=READY_TIMEOUT_S)))
+    refs = {w: h.info.remote() for w, h in workers.items()}
+    infos = {}
+    for worker_id, ref in refs.items():  # one at a time, so a failure names its worker
+        try:
+            infos[worker_id] = ray.get(ref, timeout=READY_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(f"worker {worker_id} did not start within "
+                              f"{READY_TIMEOUT_S:.0f} s") from None
+        except ray.exceptions.RayError as exc:
+            raise LaunchError(f"worker {worker_id} failed to start: {_failure_reason(exc)}") from exc
     http = (f", HTTP {router_cfg.http_host}:{router_cfg.http_port or 'any'}"
             if router_cfg.http_port is not None else "")
-    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0).remote(
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    router = RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0,
+                                 scheduling_strategy=here).remote(
         f"gRPC {router_cfg.host}:{router_cfg.port or 'any'}{http}")
+    if created is not None:
+        created[ROUTER_NAME] = router
     port = ray.get(router.start.remote(dataclasses.asdict(router_cfg), infos, str(model_dir),
                                        metrics), timeout=READY_TIMEOUT_S)
     http_port = ray.get(router.http_port.remote(), timeout=READY_TIMEOUT_S)
