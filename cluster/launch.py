@@ -56,6 +56,9 @@ class LaunchConfig:
     # generation workers can live on different node types.
     context_resources: dict[str, float] = field(default_factory=dict)
     generation_resources: dict[str, float] = field(default_factory=dict)
+    # How long the workers' placement group may take to be placed (an autoscaler adding nodes
+    # included) before the launch fails.
+    placement_timeout_s: float = READY_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1:
@@ -85,21 +88,10 @@ def check_resources(name: str, value: Any) -> None:
 
 def builtin_model_dir() -> Path:
     """The built-in tiny model: written once (deterministically) into a cache folder."""
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.tiny_model import BUILTIN_MODEL_NAME, write_builtin_model
 
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    # The name changes whenever what make_tiny_model writes changes (-chat: the chat template).
-    path = root / "tiny-llama-h128-l4-v259-chat"
-    if not (path / "model.safetensors").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny_model(tmp, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                        vocab_size=259, max_position_embeddings=2048, seed=0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process won the race; theirs is identical
-            pass
-    return path
+    return write_builtin_model(root / BUILTIN_MODEL_NAME)
 
 
 class RayJoinError(RuntimeError):
@@ -382,18 +374,18 @@ def _remove_created(created: dict[str, Any], pg_box: list[Any]) -> list[str]:
     return removed
 
 
-def check_feasible(bundles: list[dict[str, float]], roles: list[str]) -> None:
-    """Fail at once, naming the role and what it asked for, when no node of the cluster has
-    the resources of a worker's bundle (a placement group would otherwise wait forever)."""
+def unplaceable(bundles: list[dict[str, float]], roles: list[str]) -> list[str]:
+    """Which workers' bundles no live node of the cluster can hold now, each with what it asks
+    and what the nodes offer (empty when every bundle fits some node)."""
     import ray
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    for role, bundle in zip(roles, bundles):
-        if not any(all(res.get(k, 0) >= v for k, v in bundle.items()) for res in nodes):
-            offered = sorted({k for res in nodes for k in res if not k.startswith("node:")
-                              and not k.startswith("bundle_group")})
-            raise LaunchError(f"no node of the Ray cluster has the resources a {role} worker "
-                              f"asks for, {bundle}; the nodes offer: {', '.join(offered)}")
+    offered = sorted({k for res in nodes for k in res
+                      if not k.startswith("node:") and "_group_" not in k})
+    return [f"{role} asks for {bundle}, and no node has it (the nodes offer: "
+            f"{', '.join(offered)})"
+            for role, bundle in zip(roles, bundles)
+            if not any(all(res.get(k, 0) >= v for k, v in bundle.items()) for res in nodes)]
 
 
 def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cluster:
@@ -416,16 +408,22 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     # the nodes that offer them; pack/spread decides among those nodes.
     bundles = [{**base, **{k: float(v) for k, v in extra.items() if v}}
                for _, _, _, _, extra in roles]
-    check_feasible(bundles, [f"{p}-{i}" for p, i, *_ in roles])
+    # A bundle no node can hold is said at once; the launch still waits (bounded) because an
+    # autoscaler may add a node that has it.
+    missing = unplaceable(bundles, [f"{p}-{i}" for p, i, *_ in roles])
+    for line in missing:
+        log.warning("%s; waiting up to %.0f s for such a node to join", line,
+                    cfg.placement_timeout_s)
     pg = placement_group(bundles, strategy="PACK" if cfg.placement == "pack" else "SPREAD",
                          name="pdserve-workers")
     pg_box.append(pg)
     try:
-        ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+        ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
+        why = "; ".join(unplaceable(bundles, [f"{p}-{i}" for p, i, *_ in roles]))
         raise LaunchError(f"the workers' placement group ({len(bundles)} bundles, "
-                          f"{cfg.placement}) was not placed within {READY_TIMEOUT_S:.0f} s; "
-                          f"free resources now: {ray.available_resources()}") from None
+                          f"{cfg.placement}) was not placed within {cfg.placement_timeout_s:.0f} s: "
+                          f"{why or f'free resources now: {ray.available_resources()}'}") from None
 
     workers: dict[str, Any] = {}
     for index, (prefix, i, cls, overrides, _) in enumerate(roles):
@@ -445,7 +443,8 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                       torch_threads=cfg.torch_threads,
                       metrics=WorkerMetrics if cfg.metrics else None,
-                      connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link)
+                      connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link,
+                      builtin_model=cfg.model is None)
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)

@@ -156,6 +156,18 @@ def test_a_worker_without_the_model_directory_fails_the_launch_clearly(nodes, tm
     U.wait_for(lambda: _pdserve_leftovers() == ([], []), 60, "the failed launch's actors to go")
 
 
+def test_workers_no_node_can_hold_fail_the_launch_and_leave_nothing(nodes):
+    with pytest.raises(LaunchError) as err:
+        U.start_cluster("/unused", num_context_workers=1, num_generation_workers=1,
+                        placement_timeout_s=3.0, context_resources={"ctx_node": 1},
+                        generation_resources={"prefill_node": 1})
+    message = str(err.value)
+    assert "not placed within 3 s" in message and "gen-0 asks for" in message, message
+    assert "'prefill_node': 1.0" in message and "ctx_node" in message  # what the nodes offer
+    assert "placement group" in message.split("removed what it had created")[1]
+    U.wait_for(lambda: _pdserve_leftovers() == ([], []), 60, "the failed launch's group to go")
+
+
 @pytest.fixture(scope="module")
 def spread(nodes, model_dir):
     """1P2D spread over the three nodes; shut down at the module's end."""
