@@ -91,7 +91,8 @@ class RayWorker:
                  lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
                  torch_threads: int | None = None,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
-                 connect_timeout_s: float = 30.0, kv_link: bool = True) -> None:
+                 connect_timeout_s: float = 30.0, kv_link: bool = True,
+                 builtin_model: bool = False) -> None:
         import ray
         import torch
 
@@ -103,6 +104,11 @@ class RayWorker:
         # store and the KV link (127.0.0.1 would reach only peers on the same node).
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
+        if builtin_model and not Path(model_dir).is_dir():
+            # The launching node wrote the built-in model; another node writes the same here.
+            from .tiny_model import write_builtin_model
+
+            write_builtin_model(model_dir)
         if not Path(model_dir).is_dir():
             raise ModelDirMissing(
                 f"{worker_id}: the model directory {model_dir} does not exist on node "

@@ -129,6 +129,30 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
+# The built-in model (`pdserve launch` without --model). The name changes whenever what
+# write_builtin_model writes changes (-chat: the chat template).
+BUILTIN_MODEL_NAME = "tiny-llama-h128-l4-v259-chat"
+
+
+def write_builtin_model(path: str | Path) -> Path:
+    """The built-in tiny model at ``path``, written unless it is there. Deterministic, so each
+    node of a cluster can write its own copy (a worker does, when the launching node's copy is
+    not on its node) and every copy is the same model."""
+    import os
+
+    path = Path(path)
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        vocab_size=259, max_position_embeddings=2048, seed=0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race; theirs is identical
+            pass
+    return path
+
+
 def make_tiny_model(
     out_dir: str | Path,
     *,

@@ -122,3 +122,14 @@ def test_a_bad_resource_flag_is_an_error_naming_the_flag(value, says, capsys):
 def test_yaml_resources_are_checked_too():
     with pytest.raises(ValueError, match="context_resources: 'GPU' is set by pdserve"):
         L.LaunchConfig(context_resources={"GPU": 1})
+
+
+def test_builtin_model_is_the_same_wherever_it_is_written(tmp_path):
+    """A worker on a node without the launching node's copy writes its own: the same bytes."""
+    from pdserve.workers.tiny_model import write_builtin_model
+
+    a, b = write_builtin_model(tmp_path / "a" / "m"), write_builtin_model(tmp_path / "b" / "m")
+    files = sorted(p.name for p in a.iterdir())
+    assert "model.safetensors" in files and files == sorted(p.name for p in b.iterdir())
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    assert write_builtin_model(a) == a  # there already: left as it is
