@@ -104,7 +104,7 @@ AUTH_DOCS = "https://docs.ray.io/en/latest/ray-security/token-auth.html"
 _PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
-def gcs_auth_mode(gcs_address: str, token: str | None = None, timeout_s: float = 10.0) -> str:
+def probe_gcs(gcs_address: str, token: str | None = None, timeout_s: float = 10.0) -> str:
     """What the cluster's GCS at ``gcs_address`` (host:port) says to one call carrying
     ``token`` (or none): "ok", or "unauthenticated" (token auth is on and the token is missing
     or not the cluster's). Raises ``RayJoinError`` when nothing answers there."""
@@ -143,7 +143,7 @@ def _ray_token() -> tuple[str | None, str]:
         return None, where
 
 
-def _use_token_auth() -> None:
+def use_token_auth() -> None:
     """Token mode for this process and what it starts, as Ray's own ``ray.init`` does for a
     local cluster: the variable, then the cached config re-read so this process sees it."""
     os.environ["RAY_AUTH_MODE"] = "token"
@@ -169,7 +169,7 @@ def prepare_ray_auth(address: str) -> None:
         gcs_address = canonicalize_bootstrap_address_or_die(address)
     except (ImportError, ValueError, ConnectionError) as exc:
         raise RayJoinError(f"no Ray cluster found at --address {address}: {exc}") from None
-    if gcs_auth_mode(gcs_address) == "ok":
+    if probe_gcs(gcs_address) == "ok":
         return  # token auth off there: join as is
     mode = os.environ.get("RAY_AUTH_MODE")
     if mode is not None and mode.lower() != "token":
@@ -183,11 +183,11 @@ def prepare_ray_auth(address: str) -> None:
             "no token: set RAY_AUTH_TOKEN to the cluster's token (print it on the head node with "
             "`ray get-auth-token`), or write it to ~/.ray/auth_token, or name the file in "
             f"RAY_AUTH_TOKEN_PATH ({AUTH_DOCS})")
-    if gcs_auth_mode(gcs_address, token) != "ok":
+    if probe_gcs(gcs_address, token) != "ok":
         raise RayJoinError(
             f"the Ray cluster at {gcs_address} refuses the token from {where}: it is not that "
             "cluster's token (print the right one on the head node with `ray get-auth-token`)")
-    _use_token_auth()
+    use_token_auth()
 
 
 def join_ray(address: str) -> None:

@@ -30,7 +30,7 @@ import ray  # noqa: E402
 
 import cluster_util as U  # noqa: E402
 from cli_session import free_port  # noqa: E402
-from pdserve.cluster.launch import LaunchError, _use_token_auth, gcs_auth_mode, join_ray  # noqa: E402
+from pdserve.cluster.launch import LaunchError, use_token_auth, probe_gcs, join_ray  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -52,14 +52,14 @@ def nodes():
     os.environ["RAY_worker_niceness"] = "0"  # restarts import torch at normal priority
     # Token mode here (the nodes' GCS and raylets inherit it, and this process's own clients,
     # which start and watch the nodes, must send the token too).
-    _use_token_auth()
+    use_token_auth()
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=3, resources={"ctx_node": 1}, include_dashboard=False))
     try:
         named = {"head": cluster.head_node, "a": cluster.add_node(**GEN_NODE),
                  "b": cluster.add_node(**GEN_NODE)}
         cluster.wait_for_nodes()
-        assert gcs_auth_mode(cluster.address) == "unauthenticated"  # token auth really is on
+        assert probe_gcs(cluster.address) == "unauthenticated"  # token auth really is on
         del os.environ["RAY_AUTH_MODE"]
         join_ray(cluster.address)  # the command-line test below joins from a clean environment
         assert os.environ["RAY_AUTH_MODE"] == "token"

@@ -46,16 +46,16 @@ def clean_env(monkeypatch, tmp_path):
 
 def test_probe_tells_token_auth_from_none(fake_gcs):
     address, state = fake_gcs
-    assert L.gcs_auth_mode(address) == "unauthenticated"
-    assert L.gcs_auth_mode(address, "wrong") == "unauthenticated"
-    assert L.gcs_auth_mode(address, TOKEN) == "ok"
+    assert L.probe_gcs(address) == "unauthenticated"
+    assert L.probe_gcs(address, "wrong") == "unauthenticated"
+    assert L.probe_gcs(address, TOKEN) == "ok"
     state["auth"] = False
-    assert L.gcs_auth_mode(address) == "ok"
+    assert L.probe_gcs(address) == "ok"
 
 
 def test_probe_of_nothing_says_so():
     with pytest.raises(L.RayJoinError, match="no Ray cluster answers at 127.0.0.1:1"):
-        L.gcs_auth_mode("127.0.0.1:1", timeout_s=2)
+        L.probe_gcs("127.0.0.1:1", timeout_s=2)
 
 
 def test_token_cluster_without_a_token_fails_at_once_naming_what_to_set(fake_gcs, clean_env):
