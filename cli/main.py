@@ -68,6 +68,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "the rendezvous (default 30; raise it on a loaded machine)")
     parser.add_argument("--kv-transfer-timeout", type=float, dest="transfer_timeout_s", metavar="S",
                         help="seconds one KV transfer may take (default 30)")
+    parser.add_argument("--kv-transfer-mode", choices=["after_prefill", "layerwise"],
+                        help="when a remote prefill's KV moves: after_prefill (the default: once "
+                             "the prefill is over) or layerwise (each layer as the context "
+                             "worker's forward writes it)")
     parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
                         help="send KV requests by Ray alone, not also over the direct "
                              "worker-to-worker link")
@@ -99,7 +103,7 @@ def launch_config_from_args(args: argparse.Namespace):
             engine[f.name] = value
     router = dict(data.get("router") or {})
     for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
-                "http_port", "http_host", "served_model_name"):
+                "http_port", "http_host", "served_model_name", "kv_transfer_mode"):
         value = getattr(args, key, None)
         if value is not None:
             router[key] = value

@@ -9,6 +9,9 @@ import grpc
 from pdserve.cluster.policies import routing_mode
 
 
+KV_TRANSFER_MODES = ("after_prefill", "layerwise")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -37,8 +40,15 @@ class RouterConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # default: the model directory's name
+    # How a remote prefill's KV moves (KV_TRANSFER_MODES): "after_prefill", once the prefill is
+    # over; "layerwise", each layer as the context worker's forward writes it, with the
+    # generation worker asked as soon as the last prefill chunk is scheduled.
+    kv_transfer_mode: str = "after_prefill"
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer_mode: must be one of {', '.join(KV_TRANSFER_MODES)}, "
+                             f"got {self.kv_transfer_mode!r}")
         try:
             object.__setattr__(self, "routing", routing_mode(self.routing))
         except ValueError as exc:
