@@ -39,7 +39,12 @@ DEFAULT_ENGINE: dict[str, Any] = dict(
     tokens_per_block=16, max_batch_size=16, max_num_tokens=512,
     context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64, num_kv_blocks=256)
 LAYOUTS: dict[str, tuple[int, int]] = {"1P1D": (1, 1), "2P1D": (2, 1), "colocated": (0, 1),
-                                       "colocated-x2": (0, 2)}
+                                       "colocated-x2": (0, 2), "1P1D-layerwise": (1, 1)}
+
+
+def kv_transfer_mode(layout: str) -> str:
+    """The router's kv_transfer_mode a layout runs with."""
+    return "layerwise" if layout.endswith("-layerwise") else "after_prefill"
 
 
 # ---------------------------------------------------------------------------- clusters
@@ -52,7 +57,8 @@ def launch_layout(layout: str, engine: dict[str, Any], *, model: str | None = No
     num_ctx, num_gen = LAYOUTS[layout]
     return launch(LaunchConfig(model=model, num_context_workers=num_ctx, num_generation_workers=num_gen,
                                engine=dict(engine), context_engine=dict(context_engine or {}),
-                               router=RouterConfig(port=0, routing=routing)))
+                               router=RouterConfig(port=0, routing=routing,
+                                                   kv_transfer_mode=kv_transfer_mode(layout))))
 
 
 def run_layouts(layouts: Sequence[str], engine: dict[str, Any], spec: WorkloadSpec, *,
