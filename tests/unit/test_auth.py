@@ -138,3 +138,31 @@ def test_client_targets_and_connection(monkeypatch, tmp_path):
         Connection.from_target("https://r:1", tls_client_cert="c.pem")
     with pytest.raises(A.SecurityConfigError, match="^--tls-ca: cannot read"):
         Connection.from_target("https://r:1", tls_ca=str(tmp_path / "missing.pem")).credentials()
+
+
+def test_launch_flags_build_the_router_config_and_its_warning(tmp_path, monkeypatch):
+    """What `pdserve launch` turns its flags into, and the warning it prints to stderr."""
+    import argparse
+
+    from pdserve.cli import main as cli
+
+    def config(*argv):
+        parser = argparse.ArgumentParser()
+        cli.add_launch_arguments(parser)
+        return cli.launch_config_from_args(parser.parse_args(list(argv))).router
+
+    monkeypatch.delenv(A.API_KEY_ENV, raising=False)
+    default = config()
+    assert (default.host, default.http_host, default.api_keys) == ("127.0.0.1", "127.0.0.1", ())
+    assert cli._security_warnings(default) == []
+    exposed = config("--host", "0.0.0.0", "--http-port", "8000")
+    assert exposed.http_host == "0.0.0.0"  # --host binds both doors unless --http-host says otherwise
+    warnings = cli._security_warnings(exposed)
+    assert [w.split(" front door")[0] for w in warnings] == ["the gRPC", "the HTTP"]
+    assert cli._security_summary(exposed)["warnings"] == warnings
+    assert config("--host", "0.0.0.0", "--http-host", "127.0.0.1", "--http-port", "8000").http_host == "127.0.0.1"
+    keyed = config("--host", "0.0.0.0", "--api-key", SECRET, "--api-key", "k2", "--max-inflight-per-key", "3")
+    assert keyed.api_keys == (SECRET, "k2") and keyed.max_inflight_per_key == 3
+    assert cli._security_warnings(keyed) == [] and SECRET not in str(cli._security_summary(keyed))
+    monkeypatch.setenv(A.API_KEY_ENV, SECRET)
+    assert config().api_keys == (SECRET,)
