@@ -289,6 +289,10 @@ class _SenderPair:
         proceed, t0 = False, time.perf_counter()
         try:
             group = self._ensure_group(req.group, op.deadline)
+            progress = self.owner.progress_of(d.ctx_request_id) if d is not None and d.stream else None
+            # (read before begin_op: a test that holds the forward until the op begins sees
+            # the prefill still running here)
+            during_prefill = progress is not None and progress.first_token is None
             proceed = d is not None and sessions.begin_op(d.ctx_request_id)
             if proceed:
                 assert d is not None
@@ -314,8 +318,7 @@ class _SenderPair:
             if proceed:
                 assert d is not None
                 mover = BlockMover(pool, d.ctx_block_ids, planes, blocks)
-                progress = self.owner.progress_of(d.ctx_request_id) if d.stream else None
-                if progress is not None and progress.first_token is None:
+                if during_prefill:
                     self.owner.overlapped += 1  # the send began while the prefill was running
                 self._send_payload(group, d, mover, op.deadline, progress)
                 if d.stream:

@@ -310,9 +310,10 @@ class WorkerHost:
         """``stall_send(seconds)``, ``slow_steps(seconds)`` (0 turns either off);
         ``break_pair(peer_worker_id)``: cut that KV pair group's connections;
         ``leak_blocks(request_id, num_tokens)``: blocks held by no live request (an invariant
-        violation); ``release_leak(request_id)``; ``hold_stream(layers, seconds, until_claimed)``:
+        violation); ``release_leak(request_id)``; ``hold_stream(layers, seconds, until_sending)``:
         the forward of a layer-wise request's last chunk stops after that many layers until
-        ``release_stream`` (or, with until_claimed, until a KV request claimed each stream),
+        ``release_stream`` (or, with until_sending, until the send of one of them has begun:
+        the others queue behind it on the pair),
         for at most ``seconds`` (0 turns it off)."""
         if name == "hold_stream":
             self.executor.layer_hook = (_StreamHold(self.executor, int(args[0]), float(args[1]),
@@ -428,9 +429,9 @@ class _StreamHold:
     """Fault injection (``hold_stream``): stop a layer-wise forward after ``layers`` layers, so
     a test can see the KV request meet a prefill that is still running, or cancel mid-stream."""
 
-    def __init__(self, executor: Executor, layers: int, seconds: float, until_claimed: bool) -> None:
+    def __init__(self, executor: Executor, layers: int, seconds: float, until_sending: bool) -> None:
         self.executor, self.layers, self.seconds = executor, layers, seconds
-        self.until_claimed = until_claimed
+        self.until_sending = until_sending
         self.release = threading.Event()
 
     def __call__(self, request_ids: list[int], layers: int) -> None:
@@ -439,8 +440,7 @@ class _StreamHold:
         sessions = self.executor.transceiver.sender.sessions
         end = time.monotonic() + self.seconds
         while time.monotonic() < end and not self.release.is_set():
-            if self.until_claimed and all(
-                    getattr(sessions.state_of(rid), "name", "") == "SENDING" for rid in request_ids):
+            if self.until_sending and any(sessions.in_flight(rid) for rid in request_ids):
                 return
             self.release.wait(0.005)
 

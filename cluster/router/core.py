@@ -106,7 +106,10 @@ class Router:
         # the worker reported it reused (PrefixTotals).
         self.prefix = {"requests": 0, "exact": 0, "predicted_tokens": 0, "reused_tokens": 0}
         self._ids = itertools.count(1)
-        self.attempt_ids = itertools.count(1)  # the request id each worker attempt carries
+        # The request id each worker attempt carries. Workers outlive a router: a restarted
+        # router's ids must not meet the old one's (a late abort leaves a tombstone for its id,
+        # a lease keeps its id), so they start at this incarnation's microsecond clock.
+        self.attempt_ids = itertools.count(time.time_ns() // 1000)
         # Tokenizing runs here, off the loop; the byte bound refuses what cannot fit first.
         self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-tokenize")
         self.max_token_bytes = longest_token_bytes(tokenizer)

@@ -238,11 +238,11 @@ class Dispatcher:
                         gen_task = asyncio.create_task(self._decode(req, gen_id, gen_wire, gate))
                     continue
                 last = update
-            self._check_final(last, f"context worker {ctx_id}")
+            self._check_final(last, f"context worker {ctx_id}", req)
         except BaseException:
             await self._drop(gen_task, gen_id, gen_wire)
             raise
-        if last.kind == UpdateKind.ABORTED:
+        if last.kind == UpdateKind.ABORTED:  # the router's own abort (the request was cancelled)
             await self._drop(gen_task, gen_id, gen_wire)
             return
         if last.info is not None:
@@ -318,13 +318,17 @@ class Dispatcher:
                 if update.finished and req.local_prefill and update.info is not None:
                     req.reused_tokens = update.info.cached_tokens
                 await self.router.emit(req, update.new_token_ids, update.finish_reason, update.info)
-        self._check_final(last, f"generation worker {gen_id}")
+        self._check_final(last, f"generation worker {gen_id}", req)
 
     @staticmethod
-    def _check_final(last: WireUpdate | None, who: str) -> None:
-        """An attempt's stream ended: raise for anything but a finish or an abort."""
+    def _check_final(last: WireUpdate | None, who: str, req: RouterRequest) -> None:
+        """An attempt's stream ended: raise for anything but a finish or the router's own abort.
+        An abort the router did not ask for (the request is not cancelled) is a worker failure:
+        returning quietly would leave the client waiting for its deadline."""
         if last is None or not last.finished:
             raise WorkerFailure(f"{who}: the stream ended without a final update")
+        if last.kind == UpdateKind.ABORTED and not req.cancelled:
+            raise WorkerFailure(f"{who} aborted the attempt unasked")
         if last.kind == UpdateKind.FAILED:
             if last.error == ErrorKind.DEADLINE:
                 raise DeadlineExceeded(who)
