@@ -85,7 +85,9 @@ def run_validation(args) -> int:
     import ray
 
     from pdserve.bench.plots import write_figures
-    from pdserve.bench.serve import LAYOUTS, _fit_work, launch_layout, parse_engine, workload_from_args
+    from pdserve.bench.serve import (
+        LAYOUTS, _fit_work, kv_transfer_mode, launch_layout, parse_engine, workload_from_args,
+    )
     from pdserve.bench.serve_replay import replay
     from pdserve.bench.serve_report import machine_info
     from pdserve.cluster.launch import builtin_model_dir, ensure_ray
@@ -149,6 +151,19 @@ def run_validation(args) -> int:
         if owns:
             ray.shutdown()
 
+    for layout in layouts:
+        # A layer-wise transfer's seconds include waiting for the forward, so its probes cannot
+        # measure the link: it takes the link and the control round trip of the after-prefill
+        # layout of the same run (the simulator adds the overlap itself).
+        base = layout.removesuffix("-layerwise")
+        if kv_transfer_mode(layout) == "layerwise":
+            if base in probes:
+                probes[layout]["link"] = probes[base]["link"]
+                probes[layout]["latency"] = replace(
+                    probes[layout]["latency"], kv_control_s=probes[base]["latency"].kv_control_s)
+            else:
+                print(f"    {layout}: no {base} run to take the KV link from; its own probes "
+                      "(transfer seconds include waiting for the forward) are used", flush=True)
     print("3/3 simulating the same slice with the calibrated model ...", flush=True)
     for layout in layouts:
         c = probes[layout].get("cpu_slowdown")
@@ -162,7 +177,8 @@ def run_validation(args) -> int:
         num_ctx, num_gen = LAYOUTS[layout]
         worker = WorkerSpec.from_engine(engine, max_seq_len=shape.max_seq_len,
                                         num_kv_blocks=engine.get("num_kv_blocks") or 256)
-        cluster = ClusterSpec(num_ctx, num_gen, worker, worker, link=p["link"], latency=p["latency"])
+        cluster = ClusterSpec(num_ctx, num_gen, worker, worker, link=p["link"], latency=p["latency"],
+                              kv_transfer_mode=kv_transfer_mode(layout))
         cost = p["cost"]
         probe_only = simulate(cluster, cost, work).summary(slo)
         load = p.get("load_factor", 1.0)

@@ -39,7 +39,12 @@ DEFAULT_ENGINE: dict[str, Any] = dict(
     tokens_per_block=16, max_batch_size=16, max_num_tokens=512,
     context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64, num_kv_blocks=256)
 LAYOUTS: dict[str, tuple[int, int]] = {"1P1D": (1, 1), "2P1D": (2, 1), "colocated": (0, 1),
-                                       "colocated-x2": (0, 2)}
+                                       "colocated-x2": (0, 2), "1P1D-layerwise": (1, 1)}
+
+
+def kv_transfer_mode(layout: str) -> str:
+    """The router's kv_transfer_mode a layout runs with."""
+    return "layerwise" if layout.endswith("-layerwise") else "after_prefill"
 
 
 # ---------------------------------------------------------------------------- clusters
@@ -52,7 +57,8 @@ def launch_layout(layout: str, engine: dict[str, Any], *, model: str | None = No
     num_ctx, num_gen = LAYOUTS[layout]
     return launch(LaunchConfig(model=model, num_context_workers=num_ctx, num_generation_workers=num_gen,
                                engine=dict(engine), context_engine=dict(context_engine or {}),
-                               router=RouterConfig(port=0, routing=routing)))
+                               router=RouterConfig(port=0, routing=routing,
+                                                   kv_transfer_mode=kv_transfer_mode(layout))))
 
 
 def run_layouts(layouts: Sequence[str], engine: dict[str, Any], spec: WorkloadSpec, *,
@@ -89,8 +95,8 @@ def run_layouts(layouts: Sequence[str], engine: dict[str, Any], spec: WorkloadSp
     return work or [], runs
 
 
-def _fit_work(spec: WorkloadSpec, address: str) -> list[WorkItem]:
-    max_in, max_out = cluster_limits(address)
+def _fit_work(spec: WorkloadSpec, address: str, connection=None) -> list[WorkItem]:
+    max_in, max_out = cluster_limits(address, connection)
     spec = WorkloadSpec(**{**asdict(spec), "max_input_len": min(spec.max_input_len, max_in),
                            "max_output_len": min(spec.max_output_len, max_out)})
     return build_workload(spec)[0]
@@ -155,6 +161,9 @@ def _replot(path: Path, out_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.cluster.auth import SecurityConfigError, client_api_key
+    from pdserve.cluster.client import add_connection_arguments, connection_from_args
+
     parser = argparse.ArgumentParser(prog="pdserve bench",
                                      description="Replay a production trace against pdserve (gRPC) or any "
                                                  "OpenAI-compatible server (HTTP).")
@@ -167,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="--backend openai: /v1/completions (token-id prompts) or /v1/chat/completions")
     serve.add_argument("--served-model", default=None, help="--backend openai: model id (default: the first "
                        "one /v1/models lists)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="the router's host; https://NAME for TLS")
     serve.add_argument("--port", type=int, default=None, help="a running cluster's gRPC port")
     serve.add_argument("--launch", choices=sorted(LAYOUTS), default=None,
                        help="launch this layout on an embedded Ray cluster instead (built-in tiny model)")
+    # --api-key and --tls-ca also apply to --backend openai (bearer key, CA of an https --url)
+    add_connection_arguments(serve)
     compare = sub.add_parser("compare", help="1P1D vs 1 colocated vs 2 colocated on the same slice "
                                               "(or: each routing mode on one layout)")
     compare.add_argument("--layouts", default="1P1D,colocated,colocated-x2")
@@ -208,14 +219,19 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("bench serve --backend openai needs --url")
             work = build_workload(spec)[0]  # lengths capped by --max-input-len/--max-output-len
             runs = {"openai": replay_openai(args.url, work, endpoint=args.endpoint, model=args.served_model,
-                                            progress=progress, warmup=args.warmup)}
+                                            progress=progress, warmup=args.warmup,
+                                            api_key=client_api_key(args.api_key), tls_ca=args.tls_ca)}
         elif args.port is None and args.launch is None:
             parser.error("bench serve needs --port (a running cluster) or --launch LAYOUT")
         elif args.port is not None:
-            address = f"{args.host}:{args.port}"
-            work = _fit_work(spec, address)
+            try:
+                connection = connection_from_args(args, f"{args.host}:{args.port}")
+            except SecurityConfigError as exc:
+                parser.error(str(exc))
+            address = connection.target
+            work = _fit_work(spec, address, connection)
             runs = {"cluster": replay(address, work, label="cluster", progress=progress, warmup=args.warmup,
-                                      status_interval_s=args.status_interval)}
+                                      status_interval_s=args.status_interval, connection=connection)}
         else:
             work, runs = run_layouts([args.launch], engine, spec, model=args.model, progress=progress,
                                      warmup=args.warmup, status_interval_s=args.status_interval)

@@ -26,23 +26,25 @@ class ServeRun:
 # ---------------------------------------------------------------------------- the client side
 
 async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout_s: float,
-                  status_interval_s: float, progress: bool, warmup: int) -> ServeRun:
+                  status_interval_s: float, progress: bool, warmup: int, connection=None) -> ServeRun:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from pdserve.cluster.client import Client
+    from pdserve.cluster.client import Client, Connection
     from pdserve.cluster.rpc import router_pb2 as pb
     from pdserve.cluster.rpc import router_pb2_grpc
 
+    conn = connection or Connection.from_target(address)
+    md = conn.metadata
     records = [RequestRecord(w.index, w.arrival_s, len(w.prompt), w.max_tokens) for w in work]
     samples: list[dict] = []
     tag = "".join(c if c.isalnum() or c in "._:-" else "-" for c in label)  # a valid request id part
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with conn.aio_channel() as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         for i in range(warmup):  # first calls pay one-time costs (threads, allocator, JIT paths)
             req = Client.build_request(list(work[i % len(work)].prompt[:32]), max_tokens=4,
                                        temperature=0.0, ignore_eos=True, request_id=f"warmup-{i}")
-            async for _ in stub.Generate(req, timeout=timeout_s):
+            async for _ in stub.Generate(req, timeout=timeout_s, metadata=md):
                 pass
         bar = _progress(progress, label, len(work))
         t0 = time.monotonic()
@@ -53,7 +55,7 @@ async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout
             req = Client.build_request(item.prompt, max_tokens=item.max_tokens, temperature=0.0,
                                        ignore_eos=True, request_id=f"bench-{tag}-{item.index}")
             try:
-                async for delta in stub.Generate(req, timeout=timeout_s):
+                async for delta in stub.Generate(req, timeout=timeout_s, metadata=md):
                     now = time.monotonic() - t0
                     n = len(delta.token_ids)
                     if n:
@@ -80,7 +82,7 @@ async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout
         async def poll_status(stop: asyncio.Event) -> None:
             while not stop.is_set():
                 try:
-                    st = await stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+                    st = await stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=md)
                     samples.append(_sample(time.monotonic() - t0, st))
                 except grpc.aio.AioRpcError:
                     pass
@@ -99,7 +101,7 @@ async def _replay(address: str, work: Sequence[WorkItem], *, label: str, timeout
             if bar is not None:
                 bar[0].stop()
         wall = time.monotonic() - t0
-        final = MessageToDict(await stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30))
+        final = MessageToDict(await stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=md))
     return ServeRun(label, records, samples, wall, final)
 
 
@@ -116,7 +118,8 @@ def words_for(token_ids: Sequence[int]) -> str:
 
 
 async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, model: str | None, label: str,
-                         timeout_s: float, progress: bool, warmup: int) -> ServeRun:
+                         timeout_s: float, progress: bool, warmup: int, api_key: str | None = None,
+                         tls_ca: str | None = None) -> ServeRun:
     """The same replay against any OpenAI-compatible server: streamed /v1/completions (token-id
     prompts, exact lengths) or /v1/chat/completions (word prompts), ``ignore_eos`` and
     ``max_tokens`` forcing the output length, usage from ``stream_options.include_usage``. pdserve's
@@ -126,7 +129,14 @@ async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, m
     base = url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
     records = [RequestRecord(w.index, w.arrival_s, len(w.prompt), w.max_tokens) for w in work]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    connector = None
+    if tls_ca:
+        import ssl
+
+        connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=tls_ca))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers,
+                                     connector=connector) as session:
         if model is None:
             async with session.get(f"{base}/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
@@ -207,9 +217,11 @@ async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, m
 
 def replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str = "completions", model: str | None = None,
                   label: str = "openai", timeout_s: float = 600.0, progress: bool = True,
-                  warmup: int = 2) -> ServeRun:
+                  warmup: int = 2, api_key: str | None = None, tls_ca: str | None = None) -> ServeRun:
+    """``api_key``: sent as a bearer token; ``tls_ca``: the CA that verifies an https server."""
     return asyncio.run(_replay_openai(url, work, endpoint=endpoint, model=model, label=label,
-                                      timeout_s=timeout_s, progress=progress, warmup=warmup))
+                                      timeout_s=timeout_s, progress=progress, warmup=warmup,
+                                      api_key=api_key, tls_ca=tls_ca))
 
 
 def _progress(enabled: bool, label: str, total: int):
@@ -231,18 +243,21 @@ def _sample(t: float, st) -> dict:
 
 
 def replay(address: str, work: Sequence[WorkItem], *, label: str = "run", timeout_s: float = 600.0,
-           status_interval_s: float = 0.5, progress: bool = True, warmup: int = 2) -> ServeRun:
-    """Send ``work`` to the router at ``address`` at its arrival times; every request's record."""
+           status_interval_s: float = 0.5, progress: bool = True, warmup: int = 2,
+           connection=None) -> ServeRun:
+    """Send ``work`` to the router at ``address`` at its arrival times; every request's record.
+    ``connection``: a ``cluster.client.Connection`` (TLS, API key) instead of plaintext."""
     return asyncio.run(_replay(address, work, label=label, timeout_s=timeout_s,
-                               status_interval_s=status_interval_s, progress=progress, warmup=warmup))
+                               status_interval_s=status_interval_s, progress=progress, warmup=warmup,
+                               connection=connection))
 
 
-def cluster_limits(address: str) -> tuple[int, int]:
+def cluster_limits(address: str, connection=None) -> tuple[int, int]:
     """(max prompt tokens, max output tokens) every worker's KV pool can hold for one request
     under GUARANTEED_NO_EVICT: the smallest pool, half to the prompt, a quarter to the output."""
-    from pdserve.cluster.client import Client
+    from pdserve.cluster.client import Client, client_from_connection
 
-    with Client(address) as client:
+    with (client_from_connection(connection) if connection is not None else Client(address)) as client:
         st = client.status()
     pool = min(w.total_kv_blocks * max(1, w.tokens_per_block) for w in st.workers)
     return pool // 2, pool // 4

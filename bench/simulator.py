@@ -28,6 +28,11 @@ reservation, chunk advance). This module only adds time:
   the first token went out; its reservation sends a KV request, the blocks the generation side
   does not already cache cross the link (serialised per context/generation pair) and the
   context worker frees its blocks when they have landed;
+- ``kv_transfer_mode="layerwise"``: the hand-off leaves when the step with the last prefill
+  chunk starts (the live CONTEXT_STREAMING); a KV request that arrives while that step runs
+  sends layer l once the step is l+1 layers in (layers take equal shares of the step), each
+  layer's bytes after the previous layer's, and lands no earlier than the step's end (the first
+  token rides with the KV);
 - every message between the client/router and a worker takes ``hop_s``.
 
 Nothing here imports torch or Ray; with ``step_jitter=0`` a run is a pure function of its
@@ -148,6 +153,12 @@ class ClusterSimulator:
         max_inflight = spec.max_inflight or sum(w.spec.max_batch_size for w in gen)
         hop = spec.latency.hop_s
         control = spec.latency.kv_control_s
+        layerwise = spec.kv_transfer_mode == "layerwise"
+        layers = self.cost.model.num_layers
+        # layer-wise: context request id -> (start, end) of the step with its last chunk, until
+        # its generation side reserves
+        streaming: dict[int, tuple[float, float]] = {}
+        handed_off_early: set[int] = set()  # layer-wise hand-offs whose step has not ended
         block_bytes = {w.worker_id: self.cost.kv_block_bytes(w.spec.tokens_per_block) for w in workers}
         pool_tokens = min(w.spec.num_kv_blocks * w.spec.tokens_per_block for w in workers)
         # The router's prefix index, fed by the workers' KV events one hop after each step.
@@ -275,12 +286,45 @@ class ClusterSimulator:
                     d *= math.exp(self.rng.gauss(0.0, self.step_jitter))
                 worker.busy = True
                 worker.busy_s += d
+                if layerwise:
+                    begin_streams(t, d, worker, record)
                 push(t + d, _STEP_END, worker, record)
             else:
                 publish(t, worker)
                 after_step(t, worker, record)
                 if record.paused or record.gen_init:
                     push(t, _KICK, worker)
+
+        def hand_off(t: float, worker: SimWorker, attempt: _Attempt, r: LlmRequest,
+                     emitted: int) -> None:
+            cpp = ContextPhaseParams(r.request_id, [r.get_tokens(0)[-1]],
+                                     ctx_worker_id=worker.worker_id,
+                                     num_blocks=worker.kv.get_num_allocated_blocks(r.request_id))
+            send(t, new_attempt(attempt.index, attempt.hand_off_to, items[attempt.index].max_tokens,
+                                LlmRequestType.GENERATION_ONLY, cpp, emitted=emitted))
+
+        def begin_streams(t: float, d: float, worker: SimWorker, record: StepRecord) -> None:
+            """Layer-wise: the step that runs a request's last prefill chunk starts; the hand-off
+            goes now (its first token, counted as emitted, reaches the client after the step)."""
+            for rid in record.context_ids:
+                attempt = attempts.get(rid)
+                if attempt is None or rid not in worker.held or rid in handed_off_early:
+                    continue
+                streaming[rid] = (t, t + d)
+                handed_off_early.add(rid)
+                hand_off(t + hop, worker, attempt, attempt.request, emitted=1)
+
+        def landed_at(start: float, nbytes: int, window: tuple[float, float] | None) -> float:
+            """When the KV of a transfer that may start at ``start`` has landed."""
+            if window is None or start >= window[1] or nbytes == 0:
+                return start + spec.link.transfer_time(nbytes, self.cost.tp)
+            t0, t1 = window
+            per_layer = spec.link.transfer_time(nbytes, self.cost.tp) - spec.link.latency_s
+            per_layer /= layers
+            end = start
+            for layer in range(layers):
+                end = max(end, t0 + (layer + 1) * (t1 - t0) / layers) + per_layer
+            return max(end + spec.link.latency_s, t1)
 
         def after_step(t: float, worker: SimWorker, record: StepRecord) -> None:
             out_t = t + hop
@@ -302,12 +346,10 @@ class ClusterSimulator:
                 if r.request_id in worker.held:  # context-only prefill done: hand off
                     rec.pauses += r.num_pauses
                     rec.cached_tokens = max(rec.cached_tokens, r.prepopulated_prompt_len)
-                    cpp = ContextPhaseParams(r.request_id, [r.get_tokens(0)[-1]],
-                                             ctx_worker_id=worker.worker_id,
-                                             num_blocks=worker.kv.get_num_allocated_blocks(r.request_id))
-                    g = attempt.hand_off_to
-                    send(out_t, new_attempt(attempt.index, g, items[attempt.index].max_tokens,
-                                            LlmRequestType.GENERATION_ONLY, cpp, emitted=attempt.emitted))
+                    if r.request_id in handed_off_early:  # layer-wise: it left at the step's start
+                        handed_off_early.discard(r.request_id)
+                    else:
+                        hand_off(out_t, worker, attempt, r, attempt.emitted)
             for rid in record.gen_init:  # reserved: ask the context worker for the missing blocks
                 attempt = attempts[rid]
                 r = attempt.request
@@ -317,7 +359,7 @@ class ClusterSimulator:
                 nbytes = max(0, cpp.num_blocks - cached) * block_bytes[src.worker_id]
                 key = (src.worker_id, worker.worker_id)
                 start = max(t + control / 2, pair_free.get(key, 0.0))
-                landed = start + spec.link.transfer_time(nbytes, self.cost.tp)
+                landed = landed_at(start, nbytes, streaming.pop(cpp.ctx_request_id, None))
                 pair_free[key] = landed
                 rec = by_index[attempt.index]
                 rec.kv_bytes += nbytes

@@ -119,10 +119,15 @@ class ClusterSpec:
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
     link: LinkSpec = LinkSpec()
     latency: Latency = Latency()
+    # The router's kv_transfer_mode: "after_prefill" or "layerwise" (the generation side is
+    # started when the last prefill chunk starts, and the KV follows the forward layer by layer).
+    kv_transfer_mode: str = "after_prefill"
 
     def __post_init__(self) -> None:
         if self.num_generation_workers < 1 or self.num_context_workers < 0:
             raise ValueError("a cluster needs >= 1 generation worker and >= 0 context workers")
+        if self.kv_transfer_mode not in ("after_prefill", "layerwise"):
+            raise ValueError(f"kv_transfer_mode: after_prefill or layerwise, got {self.kv_transfer_mode!r}")
         object.__setattr__(self, "routing", sim_routing_mode(self.routing))
         for name in ("kv_overlap_weight", "kv_decode_weight"):
             if not getattr(self, name) >= 0:

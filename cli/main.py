@@ -27,6 +27,7 @@ commands:
 
 Run `pdserve COMMAND --help` for a command's options.
 """
+HOST_HELP = "the router's host (default 127.0.0.1); https://NAME for TLS"
 SHUTDOWN_GRACE_S = 3.0  # `launch` waits this long after its router is killed before stopping Ray
 
 
@@ -43,10 +44,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="join this Ray cluster (e.g. auto); default: embedded local cluster")
     parser.add_argument("--num-context-workers", type=int, default=None)
     parser.add_argument("--num-generation-workers", type=int, default=None)
+    parser.add_argument("--host", default=None,
+                        help="gRPC bind address (default 127.0.0.1, this machine only); also the "
+                             "HTTP one unless --http-host says otherwise")
     parser.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
     parser.add_argument("--http-port", type=int, default=None,
                         help="also serve the OpenAI-compatible HTTP API on this port (default: off)")
-    parser.add_argument("--http-host", default=None, help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id HTTP clients use (default: the model directory's name)")
     parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
@@ -75,9 +79,25 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "the rendezvous (default 30; raise it on a loaded machine)")
     parser.add_argument("--kv-transfer-timeout", type=float, dest="transfer_timeout_s", metavar="S",
                         help="seconds one KV transfer may take (default 30)")
+    parser.add_argument("--kv-transfer-mode", choices=["after_prefill", "layerwise"],
+                        help="when a remote prefill's KV moves: after_prefill (the default: once "
+                             "the prefill is over) or layerwise (each layer as the context "
+                             "worker's forward writes it)")
     parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
                         help="send KV requests by Ray alone, not also over the direct "
                              "worker-to-worker link")
+    sec = parser.add_argument_group("front-door security (both gRPC and HTTP)")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require this API key ('Bearer KEY'); repeat for several keys "
+                          "(default: $PDSERVE_API_KEY if set; health checks stay open)")
+    sec.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="require one of the keys in FILE (one per line, # comments)")
+    sec.add_argument("--max-inflight-per-key", type=int, default=None, metavar="N",
+                     help="at most N requests in flight per API key; more get 429 / RESOURCE_EXHAUSTED")
+    sec.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS: PEM certificate chain")
+    sec.add_argument("--tls-key", default=None, metavar="FILE", help="serve TLS: PEM private key")
+    sec.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                     help="mutual TLS: clients must present a certificate signed by this CA")
     group = parser.add_argument_group("engine options (every worker)")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
@@ -112,6 +132,7 @@ def _resources_flag(flag: str):
 def launch_config_from_args(args: argparse.Namespace):
     import yaml
 
+    from pdserve.cluster.auth import TlsFiles, load_api_keys
     from pdserve.cluster.launch import LaunchConfig
     from pdserve.cluster.router import RouterConfig
 
@@ -126,10 +147,22 @@ def launch_config_from_args(args: argparse.Namespace):
             engine[f.name] = value
     router = dict(data.get("router") or {})
     for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
-                "http_port", "http_host", "served_model_name"):
+                "http_port", "http_host", "served_model_name", "kv_transfer_mode", "host",
+                "max_inflight_per_key", "tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(args, key, None)
         if value is not None:
             router[key] = value
+    if getattr(args, "host", None) is not None and getattr(args, "http_host", None) is None:
+        router["http_host"] = args.host
+    # Keys from the flags or the key file replace any in the YAML file; the environment
+    # variable counts only when neither the flags nor the YAML file give keys.
+    keys = load_api_keys(getattr(args, "api_key", None) or (), getattr(args, "api_key_file", None),
+                         environ={} if router.get("api_keys") else os.environ)
+    if keys:
+        router["api_keys"] = keys
+    tls = TlsFiles.from_options(router.get("tls_cert"), router.get("tls_key"), router.get("tls_client_ca"))
+    if tls is not None:
+        tls.check()  # an unreadable or mismatched file is an error now, before anything starts
     if args.agent_types:
         router["agent_types"] = tuple(t.strip() for t in args.agent_types.split(",") if t.strip())
     if "agent_types" in router:
@@ -151,7 +184,13 @@ def _launch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdserve launch", description="Serve a model with P/D disaggregation on Ray.")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
-    cfg = launch_config_from_args(args)
+    try:
+        cfg = launch_config_from_args(args)
+    except ValueError as exc:  # SecurityConfigError and the configs' own checks name the field
+        print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 2
+    for warning in _security_warnings(cfg.router):
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
 
     import ray
 
@@ -174,7 +213,8 @@ def _launch(argv: list[str]) -> int:
     http = f"{cfg.router.http_host}:{cluster.http_port}" if cluster.http_port is not None else None
     print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "http": http, "workers": sorted(cluster.workers),
                       "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir),
-                      "ray_address": ray.get_runtime_context().gcs_address}), flush=True)
+                      "ray_address": ray.get_runtime_context().gcs_address,
+                      "security": _security_summary(cfg.router)}), flush=True)
     url = dashboard or _dashboard_url()
     if url:
         from pdserve.cli.demo import dashboard_guide
@@ -188,7 +228,7 @@ def _launch(argv: list[str]) -> int:
             time.sleep(1.0)
             # `pdserve shutdown` from elsewhere kills the router: leave with it. Asked over
             # gRPC health, not a Ray call, so the dashboard's task table stays quiet.
-            if not _router_alive(f"{cfg.router.host}:{cluster.port}"):
+            if not _router_alive(cfg.router.host, cluster.port):
                 # ... after a moment, so the driver that killed it disconnects before this
                 # process stops the Ray cluster it started under that driver's feet.
                 time.sleep(SHUTDOWN_GRACE_S)
@@ -201,18 +241,36 @@ def _launch(argv: list[str]) -> int:
     return 0
 
 
-def _router_alive(address: str, attempts: int = 3) -> bool:
-    """False once the router's gRPC port refuses or fails ``attempts`` health checks in a row
-    (a busy router is slow, not gone: each check waits up to 10 s)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _security_warnings(router_cfg) -> list[str]:
+    from pdserve.cluster.auth import exposure_warnings
 
+    doors = [("gRPC", router_cfg.host)]
+    if router_cfg.http_port is not None:
+        doors.append(("HTTP", router_cfg.http_host))
+    return exposure_warnings(doors, api_keys=bool(router_cfg.api_keys), tls=router_cfg.tls_cert is not None)
+
+
+def _security_summary(router_cfg) -> dict:
+    """What `launch` prints about the front doors' protection: counts and flags, never a key."""
+    return {"api_keys": len(router_cfg.api_keys), "tls": router_cfg.tls_cert is not None,
+            "mutual_tls": router_cfg.tls_client_ca is not None,
+            "max_inflight_per_key": router_cfg.max_inflight_per_key,
+            "warnings": _security_warnings(router_cfg)}
+
+
+def _router_alive(host: str, port: int, attempts: int = 3) -> bool:
+    """False once the router's gRPC port refuses ``attempts`` TCP connections in a row. A
+    connect, not a gRPC health check: it needs neither the router's CA nor, under mutual TLS,
+    a client certificate, and it is no Ray call, so the dashboard's task table stays quiet. A
+    busy router is slow, not gone: each connect waits up to 10 s."""
+    import socket
+
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     for _ in range(attempts):
         try:
-            with grpc.insecure_channel(address) as channel:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-            return True
-        except grpc.RpcError:
+            with socket.create_connection((host, port), timeout=10):
+                return True
+        except OSError:
             time.sleep(0.2)
     return False
 
@@ -231,7 +289,7 @@ def _dashboard_url() -> str | None:
 def _generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdserve generate")
     parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt")
     prompt.add_argument("--token-ids", help="comma-separated token ids")
@@ -243,14 +301,14 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--priority", type=float, default=None)
     parser.add_argument("--disaggregation", default="AUTO", choices=["AUTO", "ALWAYS", "NEVER"])
     parser.add_argument("--ignore-eos", action="store_true")
+    _add_connection_arguments(parser)
     args = parser.parse_args(argv)
 
     import grpc
 
-    from pdserve.cluster.client import Client
-
     prompt = args.prompt if args.prompt is not None else [int(t) for t in args.token_ids.split(",") if t]
-    with Client(f"{args.host}:{args.port}") as client:
+    client = _client(parser, args)
+    with client:
         try:
             for delta in client.generate_stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -276,21 +334,21 @@ def _status(argv: list[str]) -> int:
                     "KV transfers, quarantined blocks, invariant violations) and the router's totals "
                     "with the KV paths. Fits 80 columns. `pdserve top` is the live view.")
     parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     parser.add_argument("--json", action="store_true",
                         help="write the ClusterStatus as JSON instead: MessageToDict's field names (the "
                              "proto's JSON names, camelCase: workerId, freeKvBlocks, totals.kvPaths, "
                              "recentEvents), enums by name, every field present even when zero, and "
                              "every number (64-bit counters included) a JSON number")
+    _add_connection_arguments(parser)
     args = parser.parse_args(argv)
 
     import grpc
     from rich.console import Console
 
-    from pdserve.cluster.client import Client
     from pdserve.cli.views import render_status, status_to_dict
 
-    with Client(f"{args.host}:{args.port}") as client:
+    with _client(parser, args) as client:
         try:
             status = client.status()
         except grpc.RpcError as exc:
@@ -301,6 +359,23 @@ def _status(argv: list[str]) -> int:
         return 0
     Console().print(render_status(status, address=f"{args.host}:{args.port}"))
     return 0
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.cluster.client import add_connection_arguments
+
+    add_connection_arguments(parser)
+
+
+def _client(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """A Client for --host/--port and the connection flags; a bad flag is a usage error."""
+    from pdserve.cluster.auth import SecurityConfigError
+    from pdserve.cluster.client import client_from_connection, connection_from_args
+
+    try:
+        return client_from_connection(connection_from_args(args, f"{args.host}:{args.port}"))
+    except SecurityConfigError as exc:
+        parser.error(str(exc))
 
 
 def _top(argv: list[str]) -> int:

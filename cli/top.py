@@ -12,6 +12,8 @@ from typing import Any
 import grpc
 from rich.console import Console, RenderableType
 
+from pdserve.cluster.auth import SecurityConfigError
+from pdserve.cluster.client import add_connection_arguments, connection_from_args
 from pdserve.cluster.rpc import router_pb2 as pb
 
 from .views import DEFAULT_EVENTS, DEFAULT_INTERVAL_S, MIN_DEADLINE_S, Rates, compute_rates, render_top
@@ -51,10 +53,10 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def poll_once(stub: Any, deadline_s: float) -> Any:
+def poll_once(stub: Any, deadline_s: float, metadata: Any = None) -> Any:
     """One GetClusterStatus call; returns the status, or the exception it raised."""
     try:
-        return stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=deadline_s)
+        return stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=deadline_s, metadata=metadata)
     except grpc.RpcError as exc:  # UNAVAILABLE, DEADLINE_EXCEEDED, ...
         return exc
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                "transfer; paused: evicted and awaiting re-prefill. Rates come from two "
                "snapshots over the real time between them; transfers are counted on generation "
                "workers only (each transfer once).")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="the router's host; https://NAME for TLS")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
                         help="seconds between polls (default %(default)s)")
@@ -103,24 +105,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--once", action="store_true",
                         help="print one view (two polls --interval apart) and exit; exit status 1 "
                              "when the router did not answer")
+    add_connection_arguments(parser)
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be > 0")
 
     from pdserve.cluster.rpc import router_pb2_grpc
 
-    address = f"{args.host}:{args.port}"
+    try:
+        connection = connection_from_args(args, f"{args.host}:{args.port}")
+    except SecurityConfigError as exc:
+        parser.error(str(exc))
+    address = connection.target
     deadline = max(MIN_DEADLINE_S, args.interval)
     state = TopState(address=address, events=max(args.events, 0), interval_s=args.interval)
     # A router that comes back is seen within about one interval: gRPC's reconnect backoff would
     # otherwise grow to two minutes while it was away.
     backoff_ms = int(max(1000.0, args.interval * 1000))
-    channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
-                                                      ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
-                                                      ("grpc.max_reconnect_backoff_ms", backoff_ms)])
+    channel = connection.channel([("grpc.initial_reconnect_backoff_ms", min(backoff_ms, 1000)),
+                                  ("grpc.min_reconnect_backoff_ms", min(backoff_ms, 1000)),
+                                  ("grpc.max_reconnect_backoff_ms", backoff_ms)])
     try:
         stub = router_pb2_grpc.RouterStub(channel)
-        return run_top(lambda: poll_once(stub, deadline), state, interval_s=args.interval,
+        return run_top(lambda: poll_once(stub, deadline, connection.metadata), state, interval_s=args.interval,
                        once=args.once, console=Console())
     except KeyboardInterrupt:
         return 0

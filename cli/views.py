@@ -372,6 +372,20 @@ STATUS_LEGEND = ("act: active requests; paused: paused now; pauses: since start;
                  "transfers sent + received; quar: quarantined KV blocks")
 
 
+def security_lines(status: Any) -> list[Text]:
+    """How the front doors are protected, and the unprotected-bind warnings (never a key)."""
+    if not status.HasField("security"):
+        return []  # a router from before front-door security
+    s = status.security
+    keys = (f"API keys {s.api_keys}" + (f" (<= {s.max_inflight_per_key} in flight each)"
+                                         if s.max_inflight_per_key else "")) if s.api_keys else "no API key"
+    tls = ("mutual TLS" if s.mutual_tls else "TLS") if s.tls else "no TLS"
+    doors = [f"gRPC {s.grpc_address}"] + ([f"HTTP {s.http_address}"] if s.http_address else [])
+    out = [_line("security", keys, tls, *doors)]
+    out += [Text(f"WARNING: {w}", style="bold red") for w in s.warnings]
+    return out
+
+
 def violation_lines(status: Any) -> list[Text]:
     out = []
     for w in status.workers:
@@ -447,6 +461,7 @@ def render_status(status: Any, *, address: str = "") -> RenderableType:
             parts.append(Text(f"states {w.worker_id}: {states}"))
     parts.extend(violation_lines(status))
     parts.extend(router_lines(status))
+    parts.extend(security_lines(status))
     return Group(*parts)
 
 

@@ -10,6 +10,11 @@ comes from the router's gRPC code (see STATUS_FOR). A streamed request waits for
 result before sending headers, so an error before the first token still gets its status; an
 error after it arrives as an ``{"error": ...}`` event, then ``data: [DONE]``. A client that
 disconnects cancels its request (handler cancellation), as a gRPC cancel does.
+
+Security (``cluster/auth.py``): with API keys set, every path but /health needs
+``Authorization: Bearer <key>`` (401 and an OpenAI error object otherwise), and a key over its
+cap of requests in flight gets 429; with TLS files set, the door serves HTTPS (and requires a
+client certificate under mutual TLS).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdserve.cluster.auth import UNAUTHENTICATED_MESSAGE, KeyRing
 from pdserve.cluster.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.cluster.router import RouterError
 from pdserve.cluster.validation import ValidationError
@@ -56,6 +62,8 @@ STATUS_FOR: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 STOP_GRACE_S = 2.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
+OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without a key
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # count against a key's cap
 
 
 def _dumps(obj: Any) -> str:
@@ -85,8 +93,12 @@ class OpenAIServer:
         self.registry.register(_RouterCollector(router))
 
     async def start(self, host: str, port: int) -> int:
+        middlewares = [_errors_as_openai_objects]
+        if self.router.keys.enabled:  # outermost: a request without a key learns nothing more
+            middlewares.insert(0, _api_keys(self.router.keys))
+        tls = self.router.config.tls_files()
         app = web.Application(client_max_size=self.router.config.max_message_bytes,
-                              middlewares=[_errors_as_openai_objects])
+                              middlewares=middlewares)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
@@ -99,10 +111,12 @@ class OpenAIServer:
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                     shutdown_timeout=STOP_GRACE_S)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        site = web.TCPSite(self.runner, host, port, reuse_address=True,
+                           ssl_context=tls.server_ssl_context() if tls is not None else None)
         await site.start()
         bound = self.runner.addresses[0][1]
-        log.info("OpenAI-compatible HTTP on %s:%d (model %s)", host, bound, self.model_id)
+        log.info("OpenAI-compatible %s on %s:%d (model %s)", "HTTPS" if tls else "HTTP", host, bound,
+                 self.model_id)
         return bound
 
     async def stop(self) -> None:
@@ -249,6 +263,32 @@ async def _errors_as_openai_objects(request: web.Request, handler):
             raise
         return error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
                                        type_="invalid_request_error"))
+
+
+def _api_keys(ring: KeyRing):
+    """The bearer key check, and the per-key cap on generation requests in flight. A streamed
+    response is written inside the handler, so the count is held until its last byte."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        index = ring.authenticate(request.headers.get("Authorization"))
+        if index is None:
+            return error_response(ApiError(401, UNAUTHENTICATED_MESSAGE, type_="invalid_request_error",
+                                           code="invalid_api_key"),
+                                  headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
+        if ring.max_inflight_per_key is None or request.path not in LIMITED_PATHS:
+            return await handler(request)
+        if not ring.try_acquire(index):
+            return error_response(ApiError(429, ring.limit_message(), type_="rate_limit_error",
+                                           code="too_many_requests_in_flight"))
+        try:
+            return await handler(request)
+        finally:
+            ring.release(index)
+
+    return check
 
 
 class _RouterCollector:

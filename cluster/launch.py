@@ -215,8 +215,10 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
     if address:
         join_ray(address)
         return False
-    start_embedded(ray.init, namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=True,
-                   dashboard_host="127.0.0.1", log_to_driver=False)
+    # address="local": always a new cluster of our own, even while another one started by
+    # `ray start` (or ray.cluster_utils) runs on this host, which ray.init would join instead.
+    start_embedded(ray.init, address="local", namespace=NAMESPACE, num_cpus=num_cpus,
+                   include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
     return True
 
 

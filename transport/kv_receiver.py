@@ -29,8 +29,9 @@ from .kv_groups import (
 )
 from .kv_link import LINK_KEY, KvLink, parse_published
 from .protocol import (
-    CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
-    WireHeader, WireStatus, decode_message, encode_message, group_name, wire_tag,
+    CancelTransfer, KVRequest, LayerArrivals, PairOpen, ProtocolError, TransferDescriptor,
+    TransferDone, WireHeader, WireStatus, WireTrailer, decode_message, encode_message, group_name,
+    wire_tag,
 )
 from .session_sides import ReceiverSessions
 from .sessions import TransferResult
@@ -453,6 +454,22 @@ class _ReceiverPair:
             mover = BlockMover(self.owner.pool, d.gen_block_ids, header.chunk_planes,
                            header.chunk_blocks)
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
+            if d.stream:  # layer-wise: the first token, or CANCELLED, follows the payload
+                tr = header_tensor(self.owner.pool.device)
+                op.deadline.wait(group.recv(tr, wire_tag(d.seq, len(mover.chunks) + 1)),
+                                 "trailer recv")
+                trailer = WireTrailer.from_ints(tr.tolist())
+                if trailer.seq != d.seq:
+                    raise ProtocolError(f"trailer {trailer} does not belong to seq {d.seq}")
+                if trailer.status != WireStatus.OK:
+                    if proceed:
+                        sessions.op_finished(rid, ok=False, nbytes=0,
+                                             seconds=time.perf_counter() - t0,
+                                             reason="the context request ended before its "
+                                                    "first token (stream cancelled)")
+                    return
+                if proceed:
+                    self.owner.first_tokens[rid] = trailer.first_token
         except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
             why = failure_reason(exc)
             if op.deadline.passed():
@@ -489,6 +506,7 @@ class _ReceiverPair:
         chunks = mover.chunks
         if land and len(set(d.gen_block_ids)) != len(d.gen_block_ids):
             raise ValueError("duplicate generation block ids")
+        arrivals = LayerArrivals(chunks, self.owner.pool.num_layers)
         bufs = self.staging.get(mover.staging_bytes) if chunks else []
         free = deque(range(len(bufs)))
         posted: deque[tuple[int, dist.Work, int | None]] = deque()
@@ -505,10 +523,13 @@ class _ReceiverPair:
                 nxt += 1
             i, work, slot = posted.popleft()
             deadline.wait(work, "chunk recv")
+            arrivals.arrive(i)
             if slot is not None:
                 if land:
                     mover.scatter(chunks[i], bufs[slot])
                 free.append(slot)
+        if not arrivals.complete:  # the session leaves RECEIVING only with every layer here
+            raise ProtocolError(f"payload incomplete: {arrivals.layers_landed} layers landed")
 
 
 class KVReceiver:
@@ -543,6 +564,9 @@ class KVReceiver:
         self._pairs: dict[str, _ReceiverPair] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Layer-wise receives: request id -> the first token from the op's trailer, set by the
+        # pair thread before the session completes, taken by the step loop (take_first_token).
+        self.first_tokens: dict[int, int] = {}
         # Context endpoints known to be gone (restarted or dead), most recent last; bounded.
         self._gone: dict[str, None] = {}
         self._gone_lock = threading.Lock()
@@ -633,13 +657,16 @@ class KVReceiver:
 
     def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
                 ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
-                num_cached_blocks: int = 0, timeout_s: float | None = None) -> None:
+                num_cached_blocks: int = 0, timeout_s: float | None = None,
+                stream: bool = False) -> None:
         """``block_ids``: this request's blocks covering the context's blocks, in order; the
-        first ``num_cached_blocks`` already hold the KV (own prefix cache) and are not sent."""
+        first ``num_cached_blocks`` already hold the KV (own prefix cache) and are not sent.
+        ``stream``: layer-wise, the first token comes in the op's trailer."""
         self._pair(ctx_worker_id, ctx_endpoint)
         self.sessions.reserve(gen_request_id, ctx_worker_id=ctx_worker_id,
                               ctx_request_id=ctx_request_id, block_ids=block_ids,
-                              num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+                              num_cached_blocks=num_cached_blocks, timeout_s=timeout_s,
+                              stream=stream)
 
     def request(self, gen_request_id: int) -> KVRequest:
         """RESERVED -> REQUESTED: queue the receive on the pair thread and return the KV request
@@ -653,7 +680,8 @@ class KVReceiver:
 
     def start(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
               ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
-              num_cached_blocks: int = 0, timeout_s: float | None = None) -> KVRequest | None:
+              num_cached_blocks: int = 0, timeout_s: float | None = None,
+              stream: bool = False) -> KVRequest | None:
         """``reserve`` then ``request``. None when ``ctx_endpoint`` is known to be gone: the
         session is then already failed (``poll`` hands it back) and nothing is to be sent."""
         if not self.is_gone(ctx_endpoint):
@@ -667,8 +695,12 @@ class KVReceiver:
             return None
         self.reserve(gen_request_id, ctx_worker_id=ctx_worker_id, ctx_endpoint=ctx_endpoint,
                      ctx_request_id=ctx_request_id, block_ids=block_ids,
-                     num_cached_blocks=num_cached_blocks, timeout_s=timeout_s)
+                     num_cached_blocks=num_cached_blocks, timeout_s=timeout_s, stream=stream)
         return self.request(gen_request_id)
+
+    def take_first_token(self, gen_request_id: int) -> int | None:
+        """The first token a layer-wise receive brought (once, None if none)."""
+        return self.first_tokens.pop(gen_request_id, None)
 
     def handle(self, payload: bytes) -> None:
         """The context worker's TransferDone. A refusal fails the session at once (blocks are

@@ -9,6 +9,14 @@ answered ``retryable``, so the generation side re-issues them on the rebuilt gro
 
 Each KV request arrives twice, by the direct link (``kv_link``, fast) and by Ray (the
 dashboard's record): ``submit`` runs the first copy and hands the second the same future.
+
+Layer-wise (``KVRequest.stream``): the context request's session is leased when its last
+prefill chunk is scheduled (``begin_stream``), before the forward that writes it. Its op sends
+the header at once, then each chunk (at most one layer's planes) once the forward has written
+that layer (``LayerProgress``, advanced by the step loop), then a trailer with the first token
+(``hold`` gives it at the end of the step). The op waits at most one forward: the generation
+side asks only after the context worker announced the last chunk, so a stream never blocks
+the pair behind a prefill that has not started.
 """
 from __future__ import annotations
 
@@ -29,8 +37,8 @@ from .kv_groups import (
 )
 from .protocol import (
     CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
-    TransferRejected, WireHeader, WireStatus, choose_chunking, consecutive_fraction,
-    decode_message, encode_message, group_order, wire_tag,
+    TransferRejected, WireHeader, WireStatus, WireTrailer, choose_chunking, chunk_layer,
+    consecutive_fraction, decode_message, encode_message, group_order, layer_aligned, wire_tag,
 )
 from .kv_link import LINK_KEY, KvLinkServer
 from .session_sides import SenderSessions
@@ -41,6 +49,71 @@ RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy
 # How long an op is remembered after it was submitted, beyond its own timeout: the second copy
 # of a KV request (direct link and Ray both carry it) folds into the first within this window.
 DEDUP_MARGIN_S = 60.0
+
+
+class LayerProgress:
+    """How far the forward has written a context request's KV, and its first token once
+    sampled. The step loop advances it (``advance``, ``finish``, ``cancel``); the pair thread
+    waits on it within the op's deadline. ``events[i]``: what to synchronize on before reading
+    layer i (a CUDA event recorded after the layer on the compute stream; None on CPU, where the
+    layer's writes are done when ``advance`` is called)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.cond = threading.Condition()
+        self.layers = 0
+        self.events: list[object | None] = []
+        self.first_token: int | None = None
+        self.cancelled = ""
+
+    def advance(self, layers: int, event: object | None = None) -> None:
+        with self.cond:
+            while len(self.events) < min(layers, self.num_layers):
+                self.events.append(event)
+            self.layers = max(self.layers, layers)
+            self.cond.notify_all()
+
+    def finish(self, first_token: int) -> None:
+        """The prefill is over: every layer is written and the first token sampled."""
+        with self.cond:
+            if self.cancelled:
+                return
+            self.events.extend([None] * (self.num_layers - len(self.events)))
+            self.layers = self.num_layers
+            self.first_token = first_token
+            self.cond.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        with self.cond:
+            if self.first_token is None and not self.cancelled:
+                self.cancelled = reason or "cancelled"
+                self.cond.notify_all()
+
+    def wait_layer(self, layer: int, deadline: Deadline) -> bool:
+        """Block until ``layer`` is written: True, or False once cancelled (the rest of the
+        payload then goes without waiting, as filler the generation side will discard)."""
+        with self.cond:
+            while self.layers <= layer and not self.cancelled:
+                left = deadline.at - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"layer {layer} was not written before the deadline")
+                self.cond.wait(left)
+            if self.cancelled:
+                return False
+            event = self.events[layer]
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        return True
+
+    def wait_token(self, deadline: Deadline) -> tuple[int | None, str]:
+        """(first token, "") once sampled, or (None, why) once cancelled."""
+        with self.cond:
+            while self.first_token is None and not self.cancelled:
+                left = deadline.at - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the first token was not sampled before the deadline")
+                self.cond.wait(left)
+            return self.first_token, self.cancelled
 
 
 @dataclass(slots=True)
@@ -216,6 +289,10 @@ class _SenderPair:
         proceed, t0 = False, time.perf_counter()
         try:
             group = self._ensure_group(req.group, op.deadline)
+            progress = self.owner.progress_of(d.ctx_request_id) if d is not None and d.stream else None
+            # (read before begin_op: a test that holds the forward until the op begins sees
+            # the prefill still running here)
+            during_prefill = progress is not None and progress.first_token is None
             proceed = d is not None and sessions.begin_op(d.ctx_request_id)
             if proceed:
                 assert d is not None
@@ -225,6 +302,8 @@ class _SenderPair:
                 planes, blocks = choose_chunking(2 * pool.num_layers, d.num_blocks,
                                                  pool.bytes_per_block // (2 * pool.num_layers),
                                                  self.owner.config.chunk_bytes, runs=runs)
+                if d.stream:
+                    planes = layer_aligned(planes)
             else:
                 status = WireStatus.REJECTED if d is None else WireStatus.CANCELLED
                 reason = op.reason or "cancelled or past its deadline before the send"
@@ -235,10 +314,26 @@ class _SenderPair:
             t0 = time.perf_counter()
             hdr = header_tensor(pool.device, header.to_ints())
             hdr_work = group.send(hdr, wire_tag(req.seq, 0))  # payload follows without waiting
+            first_token, stream_reason = None, ""
             if proceed:
                 assert d is not None
-                self._send_payload(group, d, BlockMover(pool, d.ctx_block_ids, planes, blocks),
-                                   op.deadline)
+                mover = BlockMover(pool, d.ctx_block_ids, planes, blocks)
+                if during_prefill:
+                    self.owner.overlapped += 1  # the send began while the prefill was running
+                self._send_payload(group, d, mover, op.deadline, progress)
+                if d.stream:
+                    # The trailer: the first token, or CANCELLED when the context request ended
+                    # otherwise (the payload sent is then filler to keep the op stream paired).
+                    if progress is None:
+                        stream_reason = "no prefill of this request is running or leased"
+                    else:
+                        first_token, stream_reason = progress.wait_token(op.deadline)
+                    trailer = WireTrailer(req.seq, int(WireStatus.OK if first_token is not None
+                                                       else WireStatus.CANCELLED),
+                                          -1 if first_token is None else first_token)
+                    op.deadline.wait(group.send(header_tensor(pool.device, trailer.to_ints()),
+                                                wire_tag(req.seq, len(mover.chunks) + 1)),
+                                     "trailer send")
             op.deadline.wait(hdr_work, "header send")
         except Exception as exc:  # noqa: BLE001 - every failure poisons the pair group
             why = failure_reason(exc)
@@ -252,15 +347,22 @@ class _SenderPair:
         nbytes = d.total_bytes if proceed and d is not None else 0
         with self.cond:
             self.next_seq += 1
+        if proceed and d is not None and d.stream and first_token is None:
+            reason = f"the context request ended before its first token: {stream_reason}"
+            sessions.op_finished(d.ctx_request_id, ok=False, nbytes=0, seconds=seconds,
+                                 reason=reason)
+            op.future.set_result(op.done(False, reason, 0, seconds))
+            return
         if proceed and d is not None:
             sessions.op_finished(d.ctx_request_id, ok=True, nbytes=nbytes, seconds=seconds)
         op.future.set_result(op.done(proceed, reason, nbytes, seconds))
 
     def _send_payload(self, group: PairGroup, d: TransferDescriptor, mover: BlockMover,
-                      deadline: Deadline) -> None:
+                      deadline: Deadline, progress: LayerProgress | None = None) -> None:
         """Gather the next chunk (pool -> staging) while earlier ones are on the wire; chunks
         contiguous in the pool are sent from it directly. A staging buffer is reused only after
-        its send completed."""
+        its send completed. With ``progress`` (layer-wise) a chunk goes once its layer is
+        written; after a cancel the rest goes at once."""
         hook = self.owner.send_hook
         bufs = self.staging.get(mover.staging_bytes)
         free = deque(range(len(bufs)))
@@ -273,6 +375,8 @@ class _SenderPair:
                 free.append(slot)
 
         for i, c in enumerate(mover.chunks):
+            if progress is not None and not progress.wait_layer(chunk_layer(c), deadline):
+                progress = None
             src, slot = mover.direct(c), None
             if src is None:
                 while not free:
@@ -319,18 +423,64 @@ class KVSender:
         self._store.set(INCARNATION_KEY, str(self.incarnation))
         self._pairs: dict[str, _SenderPair] = {}
         self._lock = threading.Lock()
+        # context request id -> its LayerProgress, from begin_stream or hold until poll hands
+        # the session back
+        self._progress: dict[int, LayerProgress] = {}
         self._closed = False
         # (group, seq) -> (transfer id, the op's future, forget at): a request's second copy
         self._recent: OrderedDict[tuple[str, int], tuple[int, Future, float]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self.folded = 0  # second copies folded into the first (stats, tests)
+        self.overlapped = 0  # layer-wise sends that began before their prefill was over
         self.link = KvLinkServer(self.config.host, self._on_link, name=worker_id)
         self._store.set(LINK_KEY, self.link.published)
 
     def hold(self, ctx_request_id: int, block_ids: list[int] | tuple[int, ...], *,
-             lease_s: float | None = None) -> None:
-        """Lease a finished context request's blocks until a KV request claims them."""
+             lease_s: float | None = None, first_token: int | None = None) -> None:
+        """Lease a finished context request's blocks until a KV request claims them. For a
+        request streamed since ``begin_stream`` the lease exists: this only completes its
+        progress with the first token (a layer-wise op sends it in its trailer)."""
+        with self._lock:
+            progress = self._progress.get(ctx_request_id)
+        if progress is not None:
+            if first_token is not None:
+                progress.finish(first_token)
+            return
         self.sessions.lease(ctx_request_id, block_ids, lease_s=lease_s)
+        if first_token is not None:  # a layer-wise request that comes after the prefill
+            progress = LayerProgress(self.pool.num_layers)
+            progress.finish(first_token)
+            with self._lock:
+                self._progress[ctx_request_id] = progress
+
+    def begin_stream(self, ctx_request_id: int, block_ids: list[int] | tuple[int, ...], *,
+                     lease_s: float | None = None) -> None:
+        """Lease a context request's blocks before the forward of its last prefill chunk
+        writes them: a layer-wise KV request may claim them now, and its op sends each layer
+        as ``layers_written`` reports it. ``hold`` (with the first token) or ``end_stream``
+        follows at the end of the step."""
+        self.sessions.lease(ctx_request_id, block_ids, lease_s=lease_s)
+        with self._lock:
+            self._progress[ctx_request_id] = LayerProgress(self.pool.num_layers)
+
+    def layers_written(self, ctx_request_ids: list[int], layers: int,
+                       event: object | None = None) -> None:
+        """The forward has written the first ``layers`` layers of these requests' KV."""
+        with self._lock:
+            progress = [self._progress.get(rid) for rid in ctx_request_ids]
+        for p in progress:
+            if p is not None:
+                p.advance(layers, event)
+
+    def end_stream(self, ctx_request_id: int, reason: str) -> None:
+        """A streamed context request ended without handing its KV off (a stop token first,
+        an abort, a failed step): its op's trailer says CANCELLED, and its blocks come back
+        through ``poll`` once the data plane is quiet."""
+        self.cancel(ctx_request_id, reason)
+
+    def progress_of(self, ctx_request_id: int) -> LayerProgress | None:
+        with self._lock:
+            return self._progress.get(ctx_request_id)
 
     def submit(self, request: KVRequest) -> Future:
         """Queue the send a KV request asks for; the future resolves to a TransferDone when the
@@ -375,6 +525,9 @@ class KVSender:
             or (gen_worker_id is not None and d.gen_worker_id != gen_worker_id)
         ):
             return False
+        progress = self.progress_of(ctx_request_id)
+        if progress is not None:
+            progress.cancel(reason)  # a layer-wise op stops waiting for the forward
         return self.sessions.cancel(ctx_request_id, reason)
 
     def open(self, msg: PairOpen) -> Future:
@@ -416,7 +569,12 @@ class KVSender:
         return encode_message(done)
 
     def poll(self) -> list[TransferResult]:
-        return self.sessions.poll()
+        results = self.sessions.poll()
+        if results:
+            with self._lock:
+                for r in results:
+                    self._progress.pop(r.request_id, None)
+        return results
 
     def _on_link(self, endpoint: str, payload: bytes) -> None:
         """A control message from the direct link (its reader thread). One meant for another
@@ -448,6 +606,9 @@ class KVSender:
         with self._lock:
             self._closed = True
             pairs = list(self._pairs.values())
+            progress = list(self._progress.values())
+        for p in progress:
+            p.cancel("transport closed")
         self.link.close()
         for p in pairs:
             p.stop()

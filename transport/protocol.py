@@ -52,6 +52,9 @@ class TransferDescriptor:
     gen_block_ids: tuple[int, ...]
     num_cached_blocks: int
     layout: KVLayout
+    # Layer-wise: the context side sends each layer's planes as its forward writes them, then a
+    # trailer with the first token (see WireTrailer); the prefill may still be running.
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if self.ctx_block_ids and len(self.ctx_block_ids) != len(self.gen_block_ids):
@@ -114,6 +117,7 @@ class KVRequest:
     bytes_per_block: int
     kv_shape: tuple[int, int, int, int]
     timeout_s: float
+    stream: bool = False  # layer-wise: payload by layer, then a trailer (TransferDescriptor)
 
     def __post_init__(self) -> None:
         if self.num_blocks != len(self.gen_block_ids):
@@ -128,7 +132,7 @@ class KVRequest:
         return cls(
             d.transfer_id, d.seq, d.group, d.gen_worker_id, d.ctx_request_id, d.gen_request_id,
             d.num_blocks, d.num_cached_blocks, d.gen_block_ids, d.layout.dtype,
-            d.layout.bytes_per_block, d.layout.kv_shape, timeout_s,
+            d.layout.bytes_per_block, d.layout.kv_shape, timeout_s, d.stream,
         )
 
 
@@ -186,7 +190,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
         "transfer_id": _INT, "seq": _INT, "group": _STR, "gen_worker_id": _STR,
         "ctx_request_id": _INT, "gen_request_id": _INT, "num_blocks": _INT,
         "num_cached_blocks": _INT, "gen_block_ids": _INTS, "dtype": _STR,
-        "bytes_per_block": _INT, "kv_shape": _SHAPE, "timeout_s": _FLOAT,
+        "bytes_per_block": _INT, "kv_shape": _SHAPE, "timeout_s": _FLOAT, "stream": _BOOL,
     }),
     "done": (TransferDone, {
         "transfer_id": _INT, "ctx_request_id": _INT, "ok": _BOOL, "reason": _STR,
@@ -201,6 +205,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
 _TYPE_OF = {cls: name for name, (cls, _) in _SCHEMAS.items()}
 # Fields a message may leave out (added after version 1 shipped): their value when absent.
 _DEFAULTS: dict[str, dict[str, Any]] = {
+    "kv_request": {"stream": False},
     "done": {"endpoint_gone": False, "group": "", "seq": -1, "retryable": False}}
 
 
@@ -302,6 +307,33 @@ class WireHeader(NamedTuple):
 
 WIRE_MAGIC = 0x5044_4B56  # "PDKV"
 HEADER_LEN = 1 + len(WireHeader._fields)
+TRAILER_MAGIC = 0x5044_4B54  # "PDKT"
+
+
+class WireTrailer(NamedTuple):
+    """Last message of a layer-wise op (int64[HEADER_LEN], after the payload): the context
+    request's first token, which exists only once its prefill is over. CANCELLED when the context
+    request ended instead (a stop token first, an abort, a failed step): the payload already
+    sent is then garbage, and the generation side fails the transfer. An op whose header was
+    not OK has no payload and no trailer."""
+
+    seq: int
+    status: int  # WireStatus.OK or WireStatus.CANCELLED
+    first_token: int  # -1 unless OK
+
+    def to_ints(self) -> list[int]:
+        return [TRAILER_MAGIC, *self] + [0] * (HEADER_LEN - 1 - len(self))
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> WireTrailer:
+        if len(values) != HEADER_LEN or values[0] != TRAILER_MAGIC:
+            raise ProtocolError("bad wire trailer (desynchronised stream?)")
+        trailer = cls(*values[1:1 + len(cls._fields)])
+        if trailer.status not in (WireStatus.OK, WireStatus.CANCELLED):
+            raise ProtocolError(f"bad trailer status {trailer.status}")
+        if trailer.status == WireStatus.OK and trailer.first_token < 0:
+            raise ProtocolError("trailer OK without a first token")
+        return trailer
 
 
 class Chunk(NamedTuple):
@@ -346,6 +378,61 @@ def choose_chunking(num_planes: int, num_blocks: int, plane_block_bytes: int,
     if plane_bytes >= target:
         return 1, max(1, target // plane_block_bytes)
     return max(1, target // plane_bytes), num_blocks
+
+
+PLANES_PER_LAYER = 2  # K and V
+
+
+def layer_aligned(chunk_planes: int) -> int:
+    """A layer-wise op's planes per chunk: at most one layer's, so each chunk can go as soon as
+    its layer is written (a chunk of more planes spans all blocks: see choose_chunking)."""
+    return min(chunk_planes, PLANES_PER_LAYER)
+
+
+def chunk_layer(c: Chunk) -> int:
+    """The last layer whose K/V chunk ``c`` carries: it may be sent once that layer is written."""
+    return (c.plane_stop - 1) // PLANES_PER_LAYER
+
+
+class LayerArrivals:
+    """The generation side's count of a payload's chunks as their receives complete, in any
+    order. A chunk that is not in the plan, or that arrives twice, is a protocol error (the op's
+    stream is out of step); ``complete`` only when every chunk of every layer has landed, and
+    ``layers_landed`` is how many leading layers have."""
+
+    def __init__(self, chunks: list[Chunk], num_layers: int) -> None:
+        self._chunks = chunks
+        self._landed = [False] * len(chunks)
+        self._left = len(chunks)
+        # per layer: chunks still to come that carry (some of) its planes
+        self._per_layer = [0] * num_layers
+        for c in chunks:
+            for layer in range(c.plane_start // PLANES_PER_LAYER, chunk_layer(c) + 1):
+                self._per_layer[layer] += 1
+
+    def arrive(self, index: int) -> None:
+        if not 0 <= index < len(self._chunks):
+            raise ProtocolError(f"chunk {index} is not in the payload's plan of {len(self._chunks)}")
+        if self._landed[index]:
+            raise ProtocolError(f"chunk {index} arrived twice")
+        self._landed[index] = True
+        self._left -= 1
+        c = self._chunks[index]
+        for layer in range(c.plane_start // PLANES_PER_LAYER, chunk_layer(c) + 1):
+            self._per_layer[layer] -= 1
+
+    @property
+    def complete(self) -> bool:
+        return self._left == 0
+
+    @property
+    def layers_landed(self) -> int:
+        n = 0
+        for left in self._per_layer:
+            if left:
+                break
+            n += 1
+        return n
 
 
 def plan_chunks(num_planes: int, num_blocks: int, chunk_planes: int,

@@ -76,7 +76,7 @@ class SenderSessions(_Sessions):
             s.descriptor = TransferDescriptor(
                 req.transfer_id, req.seq, req.group, self.worker_id, req.gen_worker_id,
                 req.ctx_request_id, req.gen_request_id, src, req.gen_block_ids,
-                req.num_cached_blocks, mine)
+                req.num_cached_blocks, mine, req.stream)
             s.peer = req.gen_worker_id
             s.deadline = self._clock() + req.timeout_s
             self._transition(s, SendState.SENDING)
@@ -128,10 +128,11 @@ class ReceiverSessions(_Sessions):
 
     def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_request_id: int,
                 block_ids: tuple[int, ...] | list[int], num_cached_blocks: int = 0,
-                timeout_s: float | None = None) -> None:
+                timeout_s: float | None = None, stream: bool = False) -> None:
         """``block_ids``: the generation blocks for the context's blocks, in order; the first
         ``num_cached_blocks`` already hold the right KV (own prefix cache) and are not sent.
-        The deadline covers the whole transfer, from now."""
+        The deadline covers the whole transfer, from now. ``stream``: layer-wise (the context
+        request may still be prefilling; the first token comes in the op's trailer)."""
         if not 0 <= num_cached_blocks <= len(block_ids):
             raise ValueError(f"num_cached_blocks={num_cached_blocks} outside [0, {len(block_ids)}]")
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
@@ -139,7 +140,7 @@ class ReceiverSessions(_Sessions):
                      self._clock() + timeout_s, peer=ctx_worker_id)
         s.descriptor = TransferDescriptor(
             -1, 0, "", ctx_worker_id, self.worker_id, ctx_request_id, gen_request_id, (),
-            s.block_ids[num_cached_blocks:], num_cached_blocks, self.layout)
+            s.block_ids[num_cached_blocks:], num_cached_blocks, self.layout, stream)
         with self._lock:
             self._add(s)
 
@@ -156,7 +157,7 @@ class ReceiverSessions(_Sessions):
             s.descriptor = TransferDescriptor(
                 self._next_transfer_id, seq, group, d.ctx_worker_id, d.gen_worker_id,
                 d.ctx_request_id, d.gen_request_id, (), d.gen_block_ids, d.num_cached_blocks,
-                d.layout)
+                d.layout, d.stream)
             self._next_transfer_id += 1
             remaining = max(s.deadline - self._clock(), 1e-3)
             return KVRequest.for_descriptor(s.descriptor, remaining)

@@ -211,6 +211,12 @@ class _Sessions:
             s = self._sessions.get(request_id)
             return None if s is None else s.state
 
+    def in_flight(self, request_id: int) -> bool:
+        """Whether the session's data-plane op has begun and not finished."""
+        with self._lock:
+            s = self._sessions.get(request_id)
+            return s is not None and s.in_flight
+
     def descriptor(self, request_id: int) -> TransferDescriptor | None:
         with self._lock:
             s = self._sessions.get(request_id)

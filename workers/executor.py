@@ -70,6 +70,7 @@ class _Tracked:
     emitted: list[int] = field(default_factory=list)  # generated tokens already reported
     finish_reason: str | None = None
     deadline: float | None = None  # on the executor's clock
+    stream_kv: bool = False  # context-only, layer-wise: its KV is sent while it prefills
 
 
 class Executor:
@@ -144,18 +145,27 @@ class Executor:
         self._num_deadlines = 0  # tracked requests that have a deadline
         # Paused requests not yet prefilled again: id -> time.monotonic() of the pause.
         self.paused_since: dict[int, float] = {}
+        # Where updates go that must not wait for the end of the step (a layer-wise context
+        # request's CONTEXT_STREAMING, before its forward); the host sets it. Without one they
+        # are returned with the step's other updates.
+        self.deliver_now: Callable[[list[WireUpdate]], None] | None = None
+        # Fault injection: runs after each layer of a forward that streams KV (request ids,
+        # layers written so far); see the host's hold_stream test hook.
+        self.layer_hook: Callable[[list[int], int], None] | None = None
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request: LlmRequest, params: SamplingParams, *,
-                    deadline: float | None = None, forced_tokens: Sequence[int] = ()) -> None:
+                    deadline: float | None = None, forced_tokens: Sequence[int] = (),
+                    stream_kv: bool = False) -> None:
         """Validates against the model and the pool; raises ValueError naming the field.
 
         ``deadline`` (on the executor's clock): past it the request is aborted with finish reason
         "deadline" and everything it holds is freed. ``forced_tokens``: tokens the client already
         has for the positions right after the prompt (a retry whose continuation did not fit in
         max_input_len); they are regenerated as these tokens and not reported again. They count
-        toward max_new_tokens."""
+        toward max_new_tokens. ``stream_kv``: a context-only request whose KV goes out layer by
+        layer while its last chunk is computed (the router's layer-wise mode)."""
         if request.request_id in self.tracked:
             raise ValueError(f"request_id {request.request_id} is already active")
         params.validate(self.vocab_size)
@@ -182,12 +192,16 @@ class Executor:
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
         tracked = _Tracked(request, RequestSampler(params, self._device), params, forced,
-                           deadline=deadline)
+                           deadline=deadline, stream_kv=stream_kv)
+        if stream_kv and not request.is_context_only_request:
+            raise ValueError("stream_kv is for context-only requests")
         if request.is_generation_only_request:
             cpp = request.context_phase_params
             if self.transceiver is None or self.transceiver.receiver is None:
                 raise ValueError("generation-only requests need a worker with a KV receiver")
-            if cpp is None or len(cpp.first_gen_tokens) != request.beam_width:
+            # No first token: layer-wise, it arrives with the KV (then nothing may be forced).
+            if cpp is None or len(cpp.first_gen_tokens) not in (
+                    request.beam_width, 0 if not forced else request.beam_width):
                 raise ValueError("context_phase_params must carry the first generated token")
             if forced and forced[0] != cpp.first_gen_tokens[0]:
                 raise ValueError("forced_tokens must start with the context phase's first token")
@@ -315,7 +329,13 @@ class Executor:
         if not contexts and not out.generation_requests:
             self.stats.steps += 1
             return updates
-        tokens = self._forward_and_sample(contexts, out.generation_requests)
+        streams = self._begin_streams(contexts, updates)
+        try:
+            tokens = self._forward_and_sample(contexts, out.generation_requests, streams)
+        except BaseException:
+            for request in streams:  # nothing will finish them: their sends must not wait
+                self.transceiver.end_stream(request, "the step failed")
+            raise
 
         for request, n in contexts:
             self.stats.context_tokens += n
@@ -380,6 +400,12 @@ class Executor:
             r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS for r in self.active
         )
         failed = self.transceiver.poll(self.active, self.kv, wait_s=0.02 if waiting_only else 0.0)
+        for request in self.active:
+            if request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
+                tracked = self.tracked[request.request_id]
+                if not tracked.emitted:  # layer-wise: the first token came with the KV, and
+                    # the router streamed it from the context worker already
+                    tracked.emitted = list(request.context_phase_params.first_gen_tokens)
         updates = []
         for request, reason in failed:
             self.active.remove(request)
@@ -415,8 +441,39 @@ class Executor:
                                    paused_seconds=now - since, pause_index=request.num_pauses,
                                    prefill_tokens=request.prompt_len)
 
+    def _begin_streams(self, contexts: list[tuple[LlmRequest, int]],
+                       updates: list[WireUpdate]) -> list[LlmRequest]:
+        """Layer-wise context-only requests whose last chunk runs this step: lease their blocks
+        now and tell the router (CONTEXT_STREAMING, delivered before the forward), so the
+        generation side can ask for the KV while it is being written."""
+        if self.transceiver is None or self.transceiver.sender is None:
+            return []
+        streams, early = [], []
+        for request, n in contexts:
+            rid = request.request_id
+            if (self.tracked[rid].stream_kv and request.is_context_only_request
+                    and request.context_current_position + n >= request.prompt_len):
+                params = self.transceiver.begin_stream(request, self.kv,
+                                                       lease_s=self._time_left(rid))
+                streams.append(request)
+                early.append(WireUpdate.context_streaming(rid, params))
+        if early:
+            if self.deliver_now is not None:
+                self.deliver_now(early)
+            else:
+                updates.extend(early)
+        return streams
+
+    def _layer_done(self, stream_ids: list[int]) -> Callable[[int], None]:
+        def on_layer(layers: int) -> None:  # the sends of the layers so far may start now
+            self.transceiver.layers_written(stream_ids, layers, self._device)
+            if self.layer_hook is not None:
+                self.layer_hook(stream_ids, layers)
+        return on_layer
+
     def _forward_and_sample(
-        self, contexts: list[tuple[LlmRequest, int]], generation: list[LlmRequest]
+        self, contexts: list[tuple[LlmRequest, int]], generation: list[LlmRequest],
+        streams: Sequence[LlmRequest] = (),
     ) -> dict[int, int]:
         """One forward over the flat batch [context chunks..., decode tokens...]; returns the
         sampled token of every sequence that produces one this step."""
@@ -438,9 +495,13 @@ class Executor:
             input_ids.append(request.get_tokens(0)[-1])
             producing.append((len(seqs) - 1, request))
 
+        stream_ids = [r.request_id for r in streams]
+        on_layer = self._layer_done(stream_ids) if stream_ids else None
+
         t0 = time.perf_counter()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self._device)
-        logits = self.model.forward(ids, None, seqs, self.kv_pool)  # [len(seqs), V]
+        logits = self.model.forward(ids, None, seqs, self.kv_pool,
+                                    on_layer=on_layer)  # [len(seqs), V]
         self.stats.forward_seconds += time.perf_counter() - t0
         if not producing:
             return {}
@@ -480,6 +541,16 @@ class Executor:
             info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
             return WireUpdate.context_done(request.request_id, new, params, info)
+        if self.transceiver is not None and request.request_id in self.transceiver.streaming:
+            # A layer-wise context request that ended at its first token: its send may be in
+            # flight, so its blocks are freed only once the data plane is quiet.
+            tracked.finish_reason = reason
+            self.active.remove(request)
+            self._untrack(request.request_id)
+            info = self._request_info(request)
+            self.transceiver.end_stream(request, f"the request finished ({reason})")
+            self.stats.finished += 1
+            return WireUpdate.finished_with(request.request_id, new, reason, info)
         if reason is None:
             received = self.transceiver.received if self.transceiver is not None else None
             if received and request.request_id in received:

@@ -119,6 +119,7 @@ class WorkerHost:
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._flush_hooks: list[Callable[[], None]] = []  # after updates were handed to sinks
+        executor.deliver_now = self._deliver  # a mid-step update goes out before the forward
         self._tick_hooks: list[Callable[[], None]] = []  # every loop turn (<= idle_wait_s apart)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-loop", daemon=True)
@@ -181,7 +182,8 @@ class WorkerHost:
             else:
                 try:
                     self.executor.add_request(request, params, deadline=deadline,
-                                              forced_tokens=wire.forced_tokens)
+                                              forced_tokens=wire.forced_tokens,
+                                              stream_kv=wire.stream_kv)
                 except ValueError as exc:
                     sink(WireUpdate.failed(rid, ErrorKind.REJECTED, str(exc)))
                 except Exception as exc:  # refused for another reason: the loop goes on
@@ -308,7 +310,20 @@ class WorkerHost:
         """``stall_send(seconds)``, ``slow_steps(seconds)`` (0 turns either off);
         ``break_pair(peer_worker_id)``: cut that KV pair group's connections;
         ``leak_blocks(request_id, num_tokens)``: blocks held by no live request (an invariant
-        violation); ``release_leak(request_id)``."""
+        violation); ``release_leak(request_id)``; ``hold_stream(layers, seconds, until_sending)``:
+        the forward of a layer-wise request's last chunk stops after that many layers until
+        ``release_stream`` (or, with until_sending, until the send of one of them has begun:
+        the others queue behind it on the pair),
+        for at most ``seconds`` (0 turns it off)."""
+        if name == "hold_stream":
+            self.executor.layer_hook = (_StreamHold(self.executor, int(args[0]), float(args[1]),
+                                                    bool(args[2])) if float(args[1]) > 0 else None)
+            return True
+        if name == "release_stream":
+            hold = self.executor.layer_hook
+            if isinstance(hold, _StreamHold):
+                hold.release.set()
+            return hold is not None
         if name == "stall_send":
             self.faults.stall_send_s = float(args[0])
             return self.faults.stall_send_s
@@ -408,6 +423,26 @@ class WorkerHost:
                 hook()
             except Exception:  # a broken writer must not take the step loop down with it
                 log.exception("%s: a flush hook failed", self.worker_id)
+
+
+class _StreamHold:
+    """Fault injection (``hold_stream``): stop a layer-wise forward after ``layers`` layers, so
+    a test can see the KV request meet a prefill that is still running, or cancel mid-stream."""
+
+    def __init__(self, executor: Executor, layers: int, seconds: float, until_sending: bool) -> None:
+        self.executor, self.layers, self.seconds = executor, layers, seconds
+        self.until_sending = until_sending
+        self.release = threading.Event()
+
+    def __call__(self, request_ids: list[int], layers: int) -> None:
+        if layers != self.layers:
+            return
+        sessions = self.executor.transceiver.sender.sessions
+        end = time.monotonic() + self.seconds
+        while time.monotonic() < end and not self.release.is_set():
+            if self.until_sending and any(sessions.in_flight(rid) for rid in request_ids):
+                return
+            self.release.wait(0.005)
 
 
 def worker_status(ex: Executor, worker_id: str, role: str, config: EngineConfig, *,

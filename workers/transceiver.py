@@ -7,6 +7,13 @@ its slot is freed at once but its blocks stay, leased to the transport until a g
 claims them. When the send is over (or the lease expires, or it fails) the transport hands the
 session back and the blocks are freed: DISAGG_CONTEXT_COMPLETE or DISAGG_TRANS_ERROR.
 
+Layer-wise (the router's ``kv_transfer_mode``): a context-only request that asks for it
+(``stream_kv``) is leased when its last prefill chunk is scheduled (``begin_stream``), and the
+router hears of it then (CONTEXT_STREAMING) and starts the generation side at once; the forward
+reports each layer it wrote (``layers_written``) so the send runs alongside the prefill, and
+``hand_off`` adds the first token. A generation-only request whose params carry no first token
+is a layer-wise one: the first token arrives with its KV.
+
 Generation side: a generation-only request enters in DISAGG_GENERATION_INIT; when the capacity
 scheduler reserves it (``fitting_disagg_gen_init``) its blocks are allocated, blocks its own
 prefix cache already holds are skipped, and a KV request goes out through the driver's control
@@ -71,6 +78,8 @@ class KVTransceiver:
             side.sessions.count_into(self.transfers)
         # Context side: finished context-only requests whose blocks are leased.
         self.transmitting: dict[int, LlmRequest] = {}
+        # ... and layer-wise ones leased this step, before their forward (begin_stream).
+        self.streaming: set[int] = set()
         # ... and the client ids of the latest that finished: a KV request's Ray copy (the
         # dashboard's record) may arrive after the send its direct copy started is over.
         self._sent_clients: OrderedDict[int, str | None] = OrderedDict()
@@ -102,12 +111,50 @@ class KVTransceiver:
         if self.sender is None:
             raise RuntimeError("context-only request on a worker without a KV sender")
         block_ids = kv.get_block_ids(request.request_id)
-        lease = self.lease_s if lease_s is None else max(0.0, min(self.lease_s, lease_s))
-        self.sender.hold(request.request_id, block_ids, lease_s=lease)
+        self.streaming.discard(request.request_id)
+        self.sender.hold(request.request_id, block_ids, lease_s=self._lease(lease_s),
+                         first_token=first_token)
         self.transmitting[request.request_id] = request
+        return self._params(request, block_ids, [first_token])
+
+    def begin_stream(self, request: LlmRequest, kv, *,
+                     lease_s: float | None = None) -> ContextPhaseParams:
+        """The last prefill chunk of a layer-wise context-only request is scheduled: lease its
+        blocks now (they are all allocated; the forward is about to write the chunk's KV) and
+        describe them, without a first token. ``hand_off`` or ``end_stream`` follows after
+        this step's forward."""
+        if self.sender is None:
+            raise RuntimeError("context-only request on a worker without a KV sender")
+        block_ids = kv.get_block_ids(request.request_id)
+        self.sender.begin_stream(request.request_id, block_ids, lease_s=self._lease(lease_s))
+        self.streaming.add(request.request_id)
+        return self._params(request, block_ids, [])
+
+    def layers_written(self, request_ids: list[int], layers: int, device) -> None:
+        """The forward wrote the first ``layers`` layers of these streamed requests' KV. On
+        CUDA the send must not read them before the kernels ran: it waits on an event."""
+        event = None
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        self.sender.layers_written(request_ids, layers, event)
+
+    def end_stream(self, request: LlmRequest, reason: str) -> None:
+        """A streamed context request ended without a hand-off (a stop token first, a failed
+        step): the send is cancelled, and its blocks are freed once the data plane is quiet."""
+        self.streaming.discard(request.request_id)
+        self.sender.end_stream(request.request_id, reason)
+        self.transmitting[request.request_id] = request
+
+    def _lease(self, lease_s: float | None) -> float:
+        return self.lease_s if lease_s is None else max(0.0, min(self.lease_s, lease_s))
+
+    def _params(self, request: LlmRequest, block_ids, first: list[int]) -> ContextPhaseParams:
         return ContextPhaseParams(
             ctx_request_id=request.request_id,
-            first_gen_tokens=[first_token],
+            first_gen_tokens=first,
             opaque_state=self.sender.locator.encode(),
             draft_tokens=None,
             prompt_token_ids=list(request.get_prompt_tokens()),
@@ -140,6 +187,7 @@ class KVTransceiver:
             block_ids=kv.get_block_ids(request.request_id),
             num_cached_blocks=cached_blocks,
             timeout_s=timeout,
+            stream=not params.first_gen_tokens,  # layer-wise: the token comes with the KV
         )
         client = label(request.request_id, request.client_id)
         moved = len(kv.get_block_ids(request.request_id)) - cached_blocks
@@ -183,6 +231,7 @@ class KVTransceiver:
         by_id = {r.request_id: r for r in active}
         for result in results:
             moved = self._transfer_event(result)
+            first_token = self.receiver.take_first_token(result.request_id)
             request = by_id.get(result.request_id)
             drained = self.draining.pop(result.request_id, None)
             if drained is not None:  # aborted while receiving: the blocks are quiet now
@@ -190,6 +239,12 @@ class KVTransceiver:
                 continue
             if request is None:
                 continue
+            if result.ok and not request.context_phase_params.first_gen_tokens:
+                if first_token is None:  # a layer-wise receive always brings it
+                    lifecycle.finish_request(request, kv, S.DISAGG_TRANS_ERROR)
+                    failed.append((request, "layer-wise receive ended without a first token"))
+                    continue
+                request.context_phase_params.first_gen_tokens = [first_token]
             if result.ok:
                 request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
                 self.received[request.request_id] = (result.nbytes, result.seconds, moved)

@@ -7,6 +7,7 @@
   restarts and events;
 - ``request_state.py``: ``RouterRequest``, the typed state machine of one request (``Phase``);
 - ``servicer.py``: the gRPC service (Generate, Abort, GetClusterStatus), health, reflection;
+- ``security.py``: the API-key interceptor and TLS credentials of the gRPC door;
 - ``config.py``: ``RouterConfig`` and the errors.
 """
 from .config import RouterConfig, RouterError

@@ -1,12 +1,16 @@
 """The router's configuration and the errors its request path raises."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import grpc
 
+from pdserve.cluster.auth import TlsFiles, check_key
 from pdserve.cluster.policies import routing_mode
+
+
+KV_TRANSFER_MODES = ("after_prefill", "layerwise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +41,32 @@ class RouterConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # default: the model directory's name
+    # How a remote prefill's KV moves (KV_TRANSFER_MODES): "after_prefill", once the prefill is
+    # over; "layerwise", each layer as the context worker's forward writes it, with the
+    # generation worker asked as soon as the last prefill chunk is scheduled.
+    kv_transfer_mode: str = "after_prefill"
+
+    # Front-door security (cluster/auth.py). Keys: both doors need one of these as a bearer
+    # token (health stays open); empty: no key needed. repr=False: a config printed or logged
+    # never shows them.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_inflight_per_key: int | None = None  # requests in flight per key, both doors; None: no cap
+    # TLS on both doors (PEM paths on the router's node); tls_client_ca: mutual TLS, a client
+    # certificate signed by this CA is required.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer_mode: must be one of {', '.join(KV_TRANSFER_MODES)}, "
+                             f"got {self.kv_transfer_mode!r}")
+        object.__setattr__(self, "api_keys", tuple(check_key(k, "api_keys") for k in self.api_keys))
+        if self.max_inflight_per_key is not None and self.max_inflight_per_key < 1:
+            raise ValueError(f"max_inflight_per_key: must be >= 1, got {self.max_inflight_per_key!r}")
+        if self.max_inflight_per_key is not None and not self.api_keys:
+            raise ValueError("max_inflight_per_key: needs API keys (--api-key) to count requests by")
+        self.tls_files()  # a half-given TLS pair is an error now, not at bind time
         try:
             object.__setattr__(self, "routing", routing_mode(self.routing))
         except ValueError as exc:
@@ -46,6 +74,9 @@ class RouterConfig:
         for name in ("kv_overlap_weight", "kv_decode_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+
+    def tls_files(self) -> TlsFiles | None:
+        return TlsFiles.from_options(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class WorkerFailure(RuntimeError):

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 
 from pdserve.cluster import policies as P
+from pdserve.cluster.auth import KeyRing, exposure_warnings
 from pdserve.cluster import validation as V
 from pdserve.cluster.metric_specs import KV_PATH_KINDS
 from pdserve.cluster.text_stream import TextStream
@@ -105,7 +106,10 @@ class Router:
         # the worker reported it reused (PrefixTotals).
         self.prefix = {"requests": 0, "exact": 0, "predicted_tokens": 0, "reused_tokens": 0}
         self._ids = itertools.count(1)
-        self.attempt_ids = itertools.count(1)  # the request id each worker attempt carries
+        # The request id each worker attempt carries. Workers outlive a router: a restarted
+        # router's ids must not meet the old one's (a late abort leaves a tombstone for its id,
+        # a lease keeps its id), so they start at this incarnation's microsecond clock.
+        self.attempt_ids = itertools.count(time.time_ns() // 1000)
         # Tokenizing runs here, off the loop; the byte bound refuses what cannot fit first.
         self._text_pool = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="pdserve-tokenize")
         self.max_token_bytes = longest_token_bytes(tokenizer)
@@ -118,6 +122,11 @@ class Router:
         self.http = None  # the OpenAI-compatible front door, when config.http_port is set
         self.http_port: int | None = None
         self.accepting = True  # False once stop() began: new requests get UNAVAILABLE
+        # Both front doors check keys against this one ring, so a key's cap counts across both.
+        self.keys = KeyRing(config.api_keys, config.max_inflight_per_key)
+        doors = [("gRPC", config.host)] + ([("HTTP", config.http_host)] if config.http_port is not None else [])
+        self.security_warnings = exposure_warnings(doors, api_keys=self.keys.enabled,
+                                                   tls=config.tls_cert is not None)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -126,7 +135,9 @@ class Router:
         await self.registry.hear_all(self.config.status_timeout_s, self.config.ready_timeout_s)
         self._tasks = [asyncio.create_task(self.dispatcher.loop()),
                        asyncio.create_task(self._refresh_loop())]
-        log.info("router serving on %s:%d", self.config.host, self.port)
+        log.info("router serving on %s:%d (%s)", self.config.host, self.port, self._security_summary())
+        for warning in self.security_warnings:
+            log.warning("UNPROTECTED: %s", warning)
         if self.config.http_port is not None:
             from pdserve.cluster.chat_template import ChatTemplate
             from pdserve.cluster.http_server import OpenAIServer
@@ -136,6 +147,13 @@ class Router:
             self.http = OpenAIServer(self, model_id, template)
             self.http_port = await self.http.start(self.config.http_host, self.config.http_port)
         return self.port
+
+    def _security_summary(self) -> str:
+        cfg = self.config
+        keys = (f"{len(self.keys)} API keys {', '.join(self.keys.fingerprints)}" if self.keys.enabled
+                else "no API key")
+        tls = ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "no TLS"
+        return f"{keys}, {tls}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
         self.accepting = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -214,17 +215,42 @@ class Dispatcher:
         # A 1-token request ends on the context worker; no generation worker will claim KV.
         kind = LlmRequestType.CONTEXT_ONLY if max_tokens > 1 else LlmRequestType.CONTEXT_AND_GENERATION
         ctx_wire = self._wire(req, prompt, 1, kind, forced[:1])
+        # Layer-wise: the context worker says CONTEXT_STREAMING when the last prefill chunk is
+        # scheduled, and the generation attempt starts then, so its KV request meets the send
+        # while the forward writes the layers. Its updates wait (``gate``) until the first
+        # token, which comes from the context worker, has been streamed. A retry that forces
+        # tokens keeps the after-prefill flow (the first token must be known to force it).
+        streamed = (self.config.kv_transfer_mode == "layerwise"
+                    and kind == LlmRequestType.CONTEXT_ONLY and not forced)
+        if streamed:
+            ctx_wire = dataclasses.replace(ctx_wire, stream_kv=True)
+        gen_task: asyncio.Task | None = None
+        gen_wire: WireRequest | None = None
+        gate = asyncio.Event()
         last: WireUpdate | None = None
-        async for update in self._stream(req, ctx_id, ctx_wire):
-            last = update
-        self._check_final(last, f"context worker {ctx_id}")
-        if last.kind == UpdateKind.ABORTED:
+        try:
+            async for update in self._stream(req, ctx_id, ctx_wire):
+                if update.kind == UpdateKind.CONTEXT_STREAMING:
+                    if streamed and gen_task is None:
+                        gen_wire = self._wire(req, prompt, max_tokens,
+                                              LlmRequestType.GENERATION_ONLY, forced,
+                                              update.context_phase_params)
+                        gen_task = asyncio.create_task(self._decode(req, gen_id, gen_wire, gate))
+                    continue
+                last = update
+            self._check_final(last, f"context worker {ctx_id}", req)
+        except BaseException:
+            await self._drop(gen_task, gen_id, gen_wire)
+            raise
+        if last.kind == UpdateKind.ABORTED:  # the router's own abort (the request was cancelled)
+            await self._drop(gen_task, gen_id, gen_wire)
             return
         if last.info is not None:
             req.reused_tokens = last.info.cached_tokens
         first = last.new_token_ids
         if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
             # Ended on the context worker (a stop token, or it was all the client asked for).
+            await self._drop(gen_task, gen_id, gen_wire)
             await r.emit(req, first, last.finish_reason or "length", last.info)
             return
         # The context attempt's KV stays leased until the generation side has it: an attempt
@@ -236,15 +262,34 @@ class Dispatcher:
         try:
             await r.emit(req, first, None, last.info)
             req.move(Phase.TRANSFER)
-            gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY, forced,
-                                  last.context_phase_params)
-            await self._decode(req, gen_id, gen_wire)
+            if gen_task is None:
+                gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY,
+                                      forced, last.context_phase_params)
+                await self._decode(req, gen_id, gen_wire)
+            else:
+                gate.set()
+                await gen_task
             done = True
         finally:
+            if not done:
+                await self._drop(gen_task, gen_id, gen_wire)
             if leased in req.attempts:
                 req.attempts.remove(leased)
                 if not done and not req.cancelled:  # a cancel aborted it already
                     self.registry.abort_attempt(*leased)
+
+    async def _drop(self, task: asyncio.Task | None, gen_id: str, wire: WireRequest | None) -> None:
+        """End a layer-wise generation attempt started early that will not be used: cancel its
+        task and abort it on the worker (which cancels its KV request)."""
+        if task is None:
+            return
+        finished = task.done() and not task.cancelled() and task.exception() is None
+        task.cancel()
+        await asyncio.wait([task])  # (a cancel of this coroutine still goes through)
+        if not task.cancelled():
+            task.exception()  # retrieved: its failure is not the request's any more
+        if not finished and wire is not None:
+            self.registry.abort_attempt(gen_id, wire.request_id)  # harmless if already gone
 
     async def _local(self, req: RouterRequest, gen_id: str) -> None:
         r = self.router
@@ -255,11 +300,16 @@ class Dispatcher:
         await self._decode(req, gen_id, self._wire(req, prompt, max_tokens,
                                                    LlmRequestType.CONTEXT_AND_GENERATION, forced))
 
-    async def _decode(self, req: RouterRequest, gen_id: str, wire: WireRequest) -> None:
+    async def _decode(self, req: RouterRequest, gen_id: str, wire: WireRequest,
+                      gate: asyncio.Event | None = None) -> None:
+        """A generation attempt's updates, streamed to the client. With ``gate`` (layer-wise:
+        started before the first token was streamed) each waits until the gate opens."""
         last: WireUpdate | None = None
         # Closed on every way out (a break, a stop string), so the attempt is forgotten now.
         async with contextlib.aclosing(self._stream(req, gen_id, wire)) as updates:
             async for update in updates:
+                if gate is not None:
+                    await gate.wait()
                 last = update
                 if update.kind in (UpdateKind.FAILED, UpdateKind.ABORTED):
                     break
@@ -268,13 +318,17 @@ class Dispatcher:
                 if update.finished and req.local_prefill and update.info is not None:
                     req.reused_tokens = update.info.cached_tokens
                 await self.router.emit(req, update.new_token_ids, update.finish_reason, update.info)
-        self._check_final(last, f"generation worker {gen_id}")
+        self._check_final(last, f"generation worker {gen_id}", req)
 
     @staticmethod
-    def _check_final(last: WireUpdate | None, who: str) -> None:
-        """An attempt's stream ended: raise for anything but a finish or an abort."""
+    def _check_final(last: WireUpdate | None, who: str, req: RouterRequest) -> None:
+        """An attempt's stream ended: raise for anything but a finish or the router's own abort.
+        An abort the router did not ask for (the request is not cancelled) is a worker failure:
+        returning quietly would leave the client waiting for its deadline."""
         if last is None or not last.finished:
             raise WorkerFailure(f"{who}: the stream ended without a final update")
+        if last.kind == UpdateKind.ABORTED and not req.cancelled:
+            raise WorkerFailure(f"{who} aborted the attempt unasked")
         if last.kind == UpdateKind.FAILED:
             if last.error == ErrorKind.DEADLINE:
                 raise DeadlineExceeded(who)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb, router_pb2_grpc, spec_from_proto
 from pdserve.transport.requests import WorkerEvent, WorkerStatus
 
+from . import security
 from .config import RouterError
 from .request_state import RouterRequest
 
@@ -104,7 +105,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                 generation_policy=router.generation_policy.name,
                                 recent_events=events, max_input_len=router.limits.max_input_len or 0,
                                 max_seq_len=router.limits.max_seq_len or 0,
-                                max_prompt_bytes=router.max_prompt_bytes)
+                                max_prompt_bytes=router.max_prompt_bytes,
+                                security=security_proto(router))
+
+
+def security_proto(router: "Router"):
+    """How the front doors are protected: counts and flags, never a key."""
+    cfg = router.config
+    http = f"{cfg.http_host}:{router.http_port}" if router.http_port is not None else ""
+    return pb.FrontDoorSecurity(api_keys=len(router.keys), tls=cfg.tls_cert is not None,
+                                mutual_tls=cfg.tls_client_ca is not None,
+                                max_inflight_per_key=cfg.max_inflight_per_key or 0,
+                                warnings=router.security_warnings,
+                                grpc_address=f"{cfg.host}:{router.port}", http_address=http)
 
 
 async def start_grpc(router: "Router") -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
@@ -112,14 +125,21 @@ async def start_grpc(router: "Router") -> tuple[grpc.aio.Server, health.aio.Heal
     cfg = router.config
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes)]
-    server = grpc.aio.server(options=opts)
+    # No interceptor without keys: an open router pays nothing per call.
+    interceptors = [security.ApiKeyInterceptor(router.keys)] if router.keys.enabled else []
+    server = grpc.aio.server(options=opts, interceptors=interceptors)
     handlers = RouterServicer(router).handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ROUTER_SERVICE_NAME, handlers),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [ROUTER_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    tls = cfg.tls_files()
+    address = f"{cfg.host}:{cfg.port}"
+    if tls is not None:
+        port = server.add_secure_port(address, security.server_credentials(tls))
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
     await set_health(health_servicer, True)
     return server, health_servicer, port

@@ -27,3 +27,22 @@ def test_python_dash_m_pdserve_is_the_pdserve_script():
 
 def test_launch_generate_status_shutdown(tmp_path):
     launch_generate_status_shutdown(PDSERVE, ENV, tmp_path)
+
+
+def test_bad_security_flags_are_refused_before_anything_starts(tmp_path):
+    """Each error names its flag; nothing is started (no Ray: these return at once)."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\nnot really\n-----END CERTIFICATE-----\n")
+    cases = [
+        (["launch", "--tls-cert", str(cert)], "--tls-cert: given without --tls-key"),
+        (["launch", "--tls-client-ca", str(cert)], "--tls-client-ca: mutual TLS needs"),
+        (["launch", "--tls-cert", str(cert), "--tls-key", str(tmp_path / "none.key")], "--tls-key: cannot read"),
+        (["launch", "--api-key-file", str(tmp_path / "missing")], "--api-key-file: cannot read"),
+        (["launch", "--api-key", "two words"], "--api-key: a key must be visible ASCII"),
+        (["launch", "--max-inflight-per-key", "2"], "max_inflight_per_key: needs API keys"),
+        (["generate", "--host", "http://127.0.0.1", "--tls-ca", str(cert), "--prompt", "x"], "plaintext target"),
+    ]
+    for args, message in cases:
+        out = subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=60, env=ENV, cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+        assert "two words" not in out.stderr

@@ -423,3 +423,39 @@ def test_a_request_that_only_waits_on_a_live_worker_is_not_retried(cluster, mode
 async def _one_request(port: int, prompt, max_tokens: int, request_id: str = "one", **kwargs):
     async with U.channel(port) as ch:
         return [await U.generate(U.stub_of(ch), request_id, prompt, max_tokens, **kwargs)]
+
+
+def test_a_restarted_router_never_meets_an_old_attempt_id(cluster, model_dir):
+    """Workers outlive the router. A late abort of an attempt that had already ended leaves a
+    tombstone for its id on the worker (the abort may have overtaken its submission). A
+    restarted router's attempt ids start above the old one's, so none of them is taken for a
+    tombstone; and an attempt a worker aborts unasked is a worker failure that is retried, never
+    a quiet end that leaves the client waiting for its deadline."""
+    cl = cluster(num_context_workers=1, num_generation_workers=1)
+    batch = U.prompts(2, seed=81)
+    results = U.burst(cl, "before", batch, 4)
+    assert all(r.code is None for r in results)
+
+    def next_attempt_id() -> int:
+        return ray.get(cl.router.__ray_call__.remote(
+            lambda self: self._on_loop(lambda: next(self.router.attempt_ids))),
+            timeout=U.RAY_TIMEOUT_S)
+
+    # late aborts for the ids the old router used and would use next, and for the first ids a
+    # router that counted from 1 again would use, on both workers
+    stale = list(range(1, 64)) + list(range(next_attempt_id() - 8, next_attempt_id() + 64))
+    for worker in cl.workers.values():
+        ray.get([worker.abort.remote(i) for i in stale], timeout=U.RAY_TIMEOUT_S)
+    cl.restart_router()
+    again = U.prompts(3, seed=82)
+    results = U.burst(cl, "after", again, 4, timeout_s=120)
+    assert all(r.code is None for r in results), [(r.code, r.details) for r in results]
+    assert [r.tokens for r in results] == U.reference(model_dir, again, 4)
+    assert U.status(cl.port).totals.retries == 0
+    # the new router's next attempt (a context attempt) meets a tombstone: the worker answers
+    # ABORTED unasked, and the request is retried on a new attempt
+    ray.get(cl.workers["ctx-0"].abort.remote(next_attempt_id() + 1), timeout=U.RAY_TIMEOUT_S)
+    results = U.burst(cl, "tombstoned", U.prompts(1, seed=83), 4, timeout_s=120)
+    assert results[0].code is None, (results[0].code, results[0].details)
+    assert U.status(cl.port).totals.retries == 1
+    U.wait_drained(cl)

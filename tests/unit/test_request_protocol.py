@@ -33,7 +33,8 @@ wire_requests = st.builds(
     agent_hierarchy=st.none() | st.lists(st.tuples(st.sampled_from(["AgentDeepResearch", "AgentChat"]),
                                                    st.integers(0, 9)), max_size=3),
     context_phase_params=st.none() | params, sampling=sampling,
-    deadline_s=st.none() | finite, forced_tokens=st.lists(st.integers(0, 1000), max_size=3).map(tuple))
+    deadline_s=st.none() | finite, forced_tokens=st.lists(st.integers(0, 1000), max_size=3).map(tuple),
+    stream_kv=st.booleans())
 infos = st.none() | st.builds(R.UpdateInfo, pauses=st.integers(0, 9), kv_transfer_bytes=ints,
                               kv_transfer_seconds=finite, kv_transfer_blocks=st.none() | st.integers(0, 99),
                               cached_tokens=st.integers(0, 999))
@@ -41,6 +42,7 @@ small = st.lists(st.integers(0, 1000), max_size=5)
 updates = st.one_of(
     st.builds(R.WireUpdate.tokens, ints, small, infos),
     st.builds(R.WireUpdate.context_done, ints, small, params, infos),
+    st.builds(R.WireUpdate.context_streaming, ints, params),
     st.builds(R.WireUpdate.finished_with, ints, small, st.sampled_from(R.FINISH_REASONS), infos),
     st.builds(R.WireUpdate.aborted, ints),
     st.builds(R.WireUpdate.failed, ints, st.sampled_from([e for e in R.ErrorKind if e != R.ErrorKind.NONE]), text),
@@ -110,7 +112,7 @@ def test_a_truncated_frame_is_refused_whole_and_waits_in_a_stream(frame, data):
     ([], "non-empty"),
     ([99, 1], "unknown FrameType"),
     ([R.FrameType.ABORT, "7"], "abort.request_id"),
-    ([R.FrameType.GENERATE, 1, 2], "generate: expected 11 fields"),
+    ([R.FrameType.GENERATE, 1, 2], "generate: expected 12 fields"),
     ([R.FrameType.UPDATE, 1, R.UpdateKind.FINISHED, [], None, None, 0, None, None], "finish_reason"),
     ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [], "stop", None, 0, None, None], "finish_reason"),
     ([R.FrameType.UPDATE, 1, R.UpdateKind.FAILED, [], None, None, 0, "x", None], "update.error"),
@@ -150,7 +152,8 @@ def test_a_frame_over_the_size_limit_is_refused(monkeypatch):
 def test_the_one_request_conversion_keeps_every_field(wire):
     request = wire.to_llm_request()
     back = R.WireRequest.from_llm_request(request, wire.sampling, deadline_s=wire.deadline_s,
-                                          forced_tokens=wire.forced_tokens)
+                                          forced_tokens=wire.forced_tokens,
+                                          stream_kv=wire.stream_kv)
     assert back == wire
 
 
@@ -158,6 +161,8 @@ def test_update_constructors_keep_kind_and_fields_consistent():
     assert R.WireUpdate.tokens(1, [5]).outcome is None and not R.WireUpdate.tokens(1, [5]).finished
     done = R.WireUpdate.context_done(1, [5], ContextPhaseParams(1, [5]))
     assert done.finished and done.outcome == "context_done" and done.finish_reason is None
+    streaming = R.WireUpdate.context_streaming(1, ContextPhaseParams(1, []))
+    assert not streaming.finished and streaming.outcome is None  # the attempt goes on
     assert R.WireUpdate.finished_with(1, [], "stop").outcome == "stop"
     assert R.WireUpdate.aborted(1).outcome == "abort"
     assert R.WireUpdate.failed(1, R.ErrorKind.DEADLINE, "late").outcome == "deadline"

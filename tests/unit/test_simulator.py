@@ -171,6 +171,41 @@ def test_one_request_timeline_is_hops_steps_and_transfer():
     assert r.kv_ms == pytest.approx(1000 * xfer)
 
 
+def test_layerwise_hides_the_transfer_behind_the_last_prefill_step():
+    prompt = list(range(3, 403))  # 400 tokens: one chunk, a step long enough to overlap
+    work = [WorkItem(0, 0.0, prompt, 5)]
+    hop, control = 2e-3, 3e-3
+    prefill = COST.step_time([SeqWork(400, 0, True)])
+    # the hand-off leaves at the step's start and the KV request arrives before its end
+    assert 2 * hop + control / 2 < prefill
+    decode = sum(COST.step_time([SeqWork(1, 400 + k, True)]) for k in range(4))
+
+    def run(mode: str, link: LinkSpec):
+        spec = ClusterSpec(1, 1, WORKER, WORKER, link=link, latency=Latency(hop, control),
+                           kv_transfer_mode=mode)
+        return simulate(spec, COST, work).records[0]
+
+    fast = LinkSpec(1e15, 0.0)
+    lw, ap = run("layerwise", fast), run("after_prefill", fast)
+    assert lw.ttft_ms == pytest.approx(ap.ttft_ms) == pytest.approx(1000 * (2 * hop + prefill))
+    assert lw.num_tokens == ap.num_tokens == 5 and lw.kv_bytes == ap.kv_bytes > 0
+    # all of the transfer hid behind the forward: the KV (and first token) land at the step's
+    # end; then half a control round trip, the decode steps
+    assert lw.e2e_ms - lw.ttft_ms == pytest.approx(1000 * (control / 2 + decode))
+    assert ap.e2e_ms - ap.ttft_ms == pytest.approx(1000 * (hop + control + decode + hop))
+    # a link slower than the forward: the last layer's bytes land after the step, still sooner
+    # than the whole transfer after it
+    slow = LinkSpec(2e7, 1e-4)
+    lw, ap = run("layerwise", slow), run("after_prefill", slow)
+    nbytes = -(-400 // 16) * COST.kv_block_bytes(16)
+    per_layer = (slow.transfer_time(nbytes) - slow.latency_s) / TINY.num_layers
+    assert per_layer * TINY.num_layers > prefill
+    assert lw.ttft_ms == pytest.approx(ap.ttft_ms)
+    assert ap.e2e_ms - lw.e2e_ms > 0
+    with pytest.raises(ValueError, match="kv_transfer_mode"):
+        ClusterSpec(1, 1, kv_transfer_mode="eager")
+
+
 def test_max_utilization_pauses_under_kv_pressure_and_still_streams_each_token_once():
     # 30 requests of 20 + 100 tokens at once: 8 blocks each at the end, 40 blocks in the pool.
     work = [WorkItem(i, 0.0, [3 + (7 * i + k) % 250 for k in range(20)], 100) for i in range(30)]

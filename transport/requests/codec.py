@@ -61,7 +61,7 @@ def _request(r: WireRequest) -> list:
             _params(r.context_phase_params),
             [s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, list(s.stop_token_ids),
              s.ignore_eos],
-            r.deadline_s, list(r.forced_tokens)]
+            r.deadline_s, list(r.forced_tokens), r.stream_kv]
 
 
 def _info(i: UpdateInfo | None) -> list | None:
@@ -197,7 +197,7 @@ def _enum(cls: type[enum.IntEnum], v: Any, what: str):
 
 
 def _request_from(f: list) -> WireRequest:
-    f = _fields(f, 11, "generate")
+    f = _fields(f, 12, "generate")
     hierarchy = f[6]
     if hierarchy is not None:
         _check(type(hierarchy) is list and all(
@@ -212,12 +212,13 @@ def _request_from(f: list) -> WireRequest:
                             _int(s[2], "generate.sampling.top_k"), _num(s[3], "generate.sampling.top_p"),
                             s[4], tuple(_ints(s[5], "generate.sampling.stop_token_ids")), s[6])
     _check(f[9] is None or type(f[9]) in (int, float), "generate.deadline_s: expected a number or nil")
+    _check(type(f[11]) is bool, "generate.stream_kv: expected a boolean")
     return WireRequest(_int(f[0], "generate.request_id"), _opt_str(f[1], "generate.client_id"),
                        _ints(f[2], "generate.prompt"), _int(f[3], "generate.max_new_tokens"),
                        _num(f[4], "generate.priority"),
                        _enum(LlmRequestType, f[5], "generate.type"), hierarchy,
                        _params_from(f[7]), sampling, f[9],
-                       tuple(_ints(f[10], "generate.forced_tokens")))
+                       tuple(_ints(f[10], "generate.forced_tokens")), f[11])
 
 
 def _update_from(f: list) -> WireUpdate:
@@ -234,7 +235,7 @@ def _update_from(f: list) -> WireUpdate:
     _check((reason in FINISH_REASONS) == (kind == UpdateKind.FINISHED),
            f"update.finish_reason {reason!r} does not fit kind {kind.name}")
     params = _params_from(f[4])
-    _check((params is not None) == (kind == UpdateKind.CONTEXT_DONE),
+    _check((params is not None) == (kind in (UpdateKind.CONTEXT_DONE, UpdateKind.CONTEXT_STREAMING)),
            f"update.context_phase_params does not fit kind {kind.name}")
     error = _enum(ErrorKind, f[5], "update.error")
     _check((error != ErrorKind.NONE) == (kind == UpdateKind.FAILED),

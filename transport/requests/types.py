@@ -9,8 +9,9 @@ from typing import Union
 from pdserve.scheduler.kv_events import KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequestType
 
-PROTOCOL_VERSION = 4  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
-# 4: KvControl (the direct KV control link, transport/kv_link.py)
+PROTOCOL_VERSION = 5  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
+# 4: KvControl (the direct KV control link, transport/kv_link.py); 5: layer-wise KV
+# (Generate.stream_kv, the CONTEXT_STREAMING update)
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -24,6 +25,9 @@ class UpdateKind(enum.IntEnum):
     FINISHED = 3  # ended normally: finish_reason "stop" or "length"
     ABORTED = 4  # ended by an abort (the router's or an overtaken submission)
     FAILED = 5  # ended by an error: see ErrorKind and message
+    # A layer-wise context-only request's last chunk is being computed and its KV is leased:
+    # the generation side may ask for it now (params without the first token). Not final.
+    CONTEXT_STREAMING = 6
 
 
 class ErrorKind(enum.IntEnum):
@@ -60,7 +64,7 @@ class WireUpdate:
     kind: UpdateKind
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # FINISHED only: "stop" | "length"
-    context_phase_params: ContextPhaseParams | None = None  # CONTEXT_DONE only
+    context_phase_params: ContextPhaseParams | None = None  # CONTEXT_DONE, CONTEXT_STREAMING
     error: ErrorKind = ErrorKind.NONE  # FAILED only
     message: str | None = None  # FAILED: what went wrong
     info: UpdateInfo | None = None
@@ -73,6 +77,10 @@ class WireUpdate:
     def context_done(cls, request_id: int, new: list[int], params: ContextPhaseParams,
                      info: UpdateInfo | None = None) -> "WireUpdate":
         return cls(request_id, UpdateKind.CONTEXT_DONE, new, context_phase_params=params, info=info)
+
+    @classmethod
+    def context_streaming(cls, request_id: int, params: ContextPhaseParams) -> "WireUpdate":
+        return cls(request_id, UpdateKind.CONTEXT_STREAMING, context_phase_params=params)
 
     @classmethod
     def finished_with(cls, request_id: int, new: list[int], reason: str,
@@ -92,14 +100,14 @@ class WireUpdate:
     @property
     def finished(self) -> bool:
         """The request's last update: nothing more comes for it."""
-        return self.kind != UpdateKind.TOKENS
+        return self.kind not in (UpdateKind.TOKENS, UpdateKind.CONTEXT_STREAMING)
 
     @property
     def outcome(self) -> str | None:
         """The ending as one word (None while it runs): stop, length, context_done, abort,
         deadline or error. For logs, tests and the offline API's finish_reason."""
         kind = self.kind
-        if kind == UpdateKind.TOKENS:
+        if kind in (UpdateKind.TOKENS, UpdateKind.CONTEXT_STREAMING):
             return None
         if kind == UpdateKind.FINISHED:
             return self.finish_reason
@@ -141,6 +149,7 @@ class WireRequest:
     sampling: WireSampling = WireSampling()
     deadline_s: float | None = None
     forced_tokens: tuple[int, ...] = ()
+    stream_kv: bool = False  # context-only: send the KV layer by layer (CONTEXT_STREAMING)
 
     def to_llm_request(self) -> LlmRequest:
         """Raises ValueError for a request the scheduler's types refuse."""
@@ -153,12 +162,14 @@ class WireRequest:
     @classmethod
     def from_llm_request(cls, request: LlmRequest, sampling: WireSampling, *,
                          deadline_s: float | None = None,
-                         forced_tokens: tuple[int, ...] = ()) -> "WireRequest":
+                         forced_tokens: tuple[int, ...] = (),
+                         stream_kv: bool = False) -> "WireRequest":
         hierarchy = request.agent_hierarchy
         return cls(request.request_id, request.client_id, list(request.get_prompt_tokens()),
                    request.max_new_tokens, request.priority, request.llm_request_type,
                    [tuple(level) for level in hierarchy] if hierarchy is not None else None,
-                   request.context_phase_params, sampling, deadline_s, tuple(forced_tokens))
+                   request.context_phase_params, sampling, deadline_s, tuple(forced_tokens),
+                   stream_kv)
 
 
 @dataclass(frozen=True, slots=True)

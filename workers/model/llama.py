@@ -6,7 +6,7 @@ CPU, bf16 on CUDA by default); logits come back in fp32.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -102,10 +102,12 @@ class LlamaForCausalLM(nn.Module):
         kv_pool: KVPool,
         *,
         all_logits: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch. Writes the new tokens' K/V into ``kv_pool`` and returns
         fp32 logits [len(seqs), V] of each sequence's last new token (in ``seqs`` order), or
-        [T, V] for every flat row when ``all_logits``."""
+        [T, V] for every flat row when ``all_logits``. ``on_layer(n)`` runs after layer n - 1
+        has written its K/V (layer-wise KV sends start from it)."""
         cfg = self.config
         if kv_pool.dtype != self.dtype or kv_pool.num_layers != cfg.num_hidden_layers:
             raise ValueError(f"{kv_pool!r} does not match the model ({cfg.num_hidden_layers} layers, {self.dtype})")
@@ -127,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)  # [T, 1, d/2] each
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, meta, kv_pool.kv[i], self.workspace, self.token_tile)
+            if on_layer is not None:
+                on_layer(i + 1)
         if not all_logits:
             h = h.index_select(0, meta.last_token_index)  # [num_seqs, H]
         return F.linear(self.norm(h), self.lm_head_weight).float()  # [rows, V]

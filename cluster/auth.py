@@ -1,0 +1,268 @@
+"""Front-door security, the decisions only: API keys (loading, matching in constant time,
+per-key requests in flight), the TLS files, and the warning for an unprotected non-loopback
+bind. No gRPC and no aiohttp here: ``cluster/router/security.py`` (a gRPC server interceptor
+and the server credentials) and ``cluster/http_server.py`` (a middleware) adapt it.
+
+Invariants:
+- A key is never logged, echoed or shown: a ``KeyRing`` keeps only SHA-256 digests of its
+  keys, errors about a key name its field and never its text, and logs and status carry
+  ``fingerprint(key)`` at most.
+- Matching hashes what the client sent and compares the digest with every configured key's
+  digest (``hmac.compare_digest``), all of them, every time: its time depends neither on how
+  much of a key matched nor on which key matched, nor on the length of a wrong key.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+BEARER = "bearer"
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+class SecurityConfigError(ValueError):
+    """A bad security setting; the message starts with the field (flag) it is about."""
+
+
+# ---------------------------------------------------------------------- keys
+
+def check_key(key: str, field: str) -> str:
+    """``key`` when it can travel in an HTTP header and in gRPC metadata: visible ASCII
+    (0x21-0x7e), no spaces, not empty. The error never quotes the key."""
+    if not isinstance(key, str):
+        raise SecurityConfigError(f"{field}: a key must be a string, got {type(key).__name__}")
+    if not key:
+        raise SecurityConfigError(f"{field}: a key must not be empty")
+    if any(not 0x21 <= ord(c) <= 0x7E for c in key):
+        raise SecurityConfigError(f"{field}: a key must be visible ASCII without spaces "
+                                  f"(a {len(key)}-character key is not)")
+    return key
+
+
+def parse_key_lines(text: str, field: str) -> list[str]:
+    """One key per line; surrounding whitespace, blank lines and ``#`` comment lines skipped."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(check_key(line, f"{field} line {number}"))
+    return keys
+
+
+def read_key_file(path: str, field: str = "--api-key-file") -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SecurityConfigError(f"{field}: cannot read {path}: {exc}") from None
+    keys = parse_key_lines(text, field)
+    if not keys:
+        raise SecurityConfigError(f"{field}: {path} holds no key (one key per line)")
+    return keys
+
+
+def load_api_keys(keys: Sequence[str] = (), key_file: str | None = None,
+                  environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The keys the router accepts: every ``--api-key`` and every line of ``--api-key-file``;
+    when neither is given, ``PDSERVE_API_KEY`` (one key) if set. Duplicates once, order kept."""
+    found = [check_key(k, "--api-key") for k in keys]
+    if key_file:
+        found += read_key_file(key_file)
+    if not found and environ.get(API_KEY_ENV):
+        found = [check_key(environ[API_KEY_ENV].strip(), API_KEY_ENV)]
+    return tuple(dict.fromkeys(found))
+
+
+def client_api_key(key: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The key a client sends: the one given, else ``PDSERVE_API_KEY``, else none."""
+    if key is None:
+        key = environ.get(API_KEY_ENV, "").strip() or None
+    return check_key(key, "--api-key") if key is not None else None
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of an ``Authorization: Bearer <token>`` value (the scheme is
+    case-insensitive, RFC 7235); None for anything else."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == BEARER and token else None
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def fingerprint(key: str) -> str:
+    """What logs and status may show of a key: 12 hex digits of its SHA-256."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class KeyRing:
+    """The accepted keys (as digests) and each key's requests in flight.
+
+    ``match`` returns the index of the key presented, or None. ``try_acquire`` / ``release``
+    count a key's requests in flight against ``max_inflight_per_key`` (None: no cap). It is
+    used from one event loop (the router's), so the counts need no lock."""
+
+    def __init__(self, keys: Iterable[str] = (), max_inflight_per_key: int | None = None) -> None:
+        keys = list(keys)
+        if max_inflight_per_key is not None and max_inflight_per_key < 1:
+            raise SecurityConfigError(f"max_inflight_per_key: must be >= 1, got {max_inflight_per_key!r}")
+        self._digests = [_digest(k) for k in keys]
+        self.fingerprints = [fingerprint(k) for k in keys]
+        self.max_inflight_per_key = max_inflight_per_key
+        self.in_flight = [0] * len(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:
+        return f"KeyRing({len(self)} keys {self.fingerprints}, max_inflight_per_key={self.max_inflight_per_key})"
+
+    def match(self, presented: str | None) -> int | None:
+        if presented is None:
+            return None
+        digest = _digest(presented)
+        found = None
+        for index, known in enumerate(self._digests):  # no early exit: the same work for any key
+            if hmac.compare_digest(digest, known) and found is None:
+                found = index
+        return found
+
+    def authenticate(self, authorization: str | None) -> int | None:
+        """The index of the key in an ``Authorization`` header / metadata value, or None."""
+        return self.match(bearer_token(authorization))
+
+    def try_acquire(self, index: int) -> bool:
+        cap = self.max_inflight_per_key
+        if cap is not None and self.in_flight[index] >= cap:
+            return False
+        self.in_flight[index] += 1
+        return True
+
+    def release(self, index: int) -> None:
+        if self.in_flight[index] <= 0:
+            raise RuntimeError(f"key {self.fingerprints[index]}: release without acquire")
+        self.in_flight[index] -= 1
+
+    def limit_message(self) -> str:
+        return (f"this API key already has {self.max_inflight_per_key} requests in flight "
+                f"(the router's max_inflight_per_key); retry when one finishes")
+
+
+UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as 'authorization: Bearer <key>'"
+
+
+# ---------------------------------------------------------------------- TLS
+
+class TlsPem(NamedTuple):
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """The server's certificate chain and key (PEM files), and the CA whose certificates
+    clients must present (mutual TLS) when ``client_ca`` is set. Paths on the router's node."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    @classmethod
+    def from_options(cls, cert: str | None, key: str | None, client_ca: str | None,
+                     names: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-client-ca")
+                     ) -> "TlsFiles | None":
+        """None when TLS is off; a clear error for a half-given pair."""
+        if cert and not key:
+            raise SecurityConfigError(f"{names[0]}: given without {names[1]} (TLS needs both)")
+        if key and not cert:
+            raise SecurityConfigError(f"{names[1]}: given without {names[0]} (TLS needs both)")
+        if client_ca and not cert:
+            raise SecurityConfigError(f"{names[2]}: mutual TLS needs {names[0]} and {names[1]} too")
+        return cls(cert, key, client_ca or None) if cert else None
+
+    def read(self, names: tuple[str, str, str] = ("--tls-cert", "--tls-key", "--tls-client-ca")) -> TlsPem:
+        """The three files' bytes, each checked to be PEM; errors name the flag."""
+        return TlsPem(_read_pem(self.cert, names[0]), _read_pem(self.key, names[1]),
+                      _read_pem(self.client_ca, names[2]) if self.client_ca else None)
+
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """For aiohttp: TLS 1.2 or newer, client certificates required under mutual TLS. Loading
+        here also proves that the certificate and the key belong together."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityConfigError(f"--tls-cert/--tls-key: {self.cert} and {self.key} do not load "
+                                      f"as a certificate chain and its private key: {exc}") from None
+        if self.client_ca:
+            try:
+                ctx.load_verify_locations(cafile=self.client_ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise SecurityConfigError(f"--tls-client-ca: {self.client_ca}: {exc}") from None
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def check(self) -> None:
+        """Everything a server start would find wrong with the files, found now."""
+        self.read()
+        self.server_ssl_context()
+
+
+def _read_pem(path: str, field: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise SecurityConfigError(f"{field}: cannot read {path}: {exc}") from None
+    if b"-----BEGIN " not in data:
+        raise SecurityConfigError(f"{field}: {path} is not a PEM file")
+    return data
+
+
+# ---------------------------------------------------------------------- binding
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach: 127.0.0.0/8, ::1 and localhost.
+    Any other name (it may resolve anywhere), "" and 0.0.0.0 / :: (every interface) are not."""
+    host = host.strip().strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warnings(doors: Sequence[tuple[str, str]], *, api_keys: bool, tls: bool) -> list[str]:
+    """One warning per front door (name, bind host) that listens beyond this machine with
+    neither API keys nor TLS: anyone who can reach it may use the cluster."""
+    if api_keys or tls:
+        return []
+    return [f"the {name} front door binds {host or '*'} (not loopback) with no API key and no TLS: "
+            f"anyone who can reach it can use the cluster; pass --api-key and --tls-cert/--tls-key, "
+            f"or bind 127.0.0.1" for name, host in doors if not is_loopback(host)]
+
+
+def split_target(address: str) -> tuple[str, bool | None]:
+    """(host:port, TLS) from a client target: ``https://`` / ``grpcs://`` mean TLS,
+    ``http://`` / ``grpc://`` mean plaintext, a bare ``host:port`` leaves it to the caller (None)."""
+    for prefix, tls in (("https://", True), ("grpcs://", True), ("http://", False), ("grpc://", False)):
+        if address.lower().startswith(prefix):
+            return address[len(prefix):].rstrip("/"), tls
+    return address, None
