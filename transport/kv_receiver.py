@@ -721,6 +721,11 @@ class KVReceiver:
             return
         if done.ok:
             return
+        if done.retryable:
+            # The op never began and the context side kept the lease: its group was retired
+            # there. This side re-issues it when it moves to a newer group (or the session runs
+            # into its deadline); failing it here would race that re-issue.
+            return
         rid = self.sessions.find_transfer(done.transfer_id, done.ctx_request_id)
         if rid is None:
             return
