@@ -193,22 +193,86 @@ class PairGroup:
 
 
 class StagingRing:
-    """A ring of flat byte buffers reused across transfers. After a failed op the ring is
-    dropped (a pending gloo op of the aborted group may still reference it)."""
+    """Every buffer one side of a pair moves KV with, allocated once per pair and reused by
+    every transfer: a ring of flat byte buffers for gathered and scattered chunks, the header
+    and trailer messages, and the block ids and row index of the gather or scatter. A transfer
+    larger than any before grows them; otherwise a transfer allocates no tensor storage
+    (``allocations`` counts the allocations). After a failed op all of it is dropped (a pending
+    gloo op of the aborted group may still reference any of it).
+
+    Reuse is safe because a pair runs its ops one at a time and waits for each message before
+    the op ends; on CUDA the index is computed on the stream that then reads it."""
 
     def __init__(self, depth: int, device: torch.device) -> None:
-        self.depth, self.device = depth, device
+        self.depth, self.device = depth, torch.device(device)
         self.bufs: list[torch.Tensor] = []
+        self.allocations = 0
+        self._msgs: torch.Tensor | None = None  # int64[2, HEADER_LEN]: header, trailer
+        self._host: torch.Tensor | None = None  # host int64 staging for device-side fills
+        self._ids: torch.Tensor | None = None  # int64: the transfer's block ids
+        self._index: torch.Tensor | None = None  # int64: one chunk's pool rows
 
     def get(self, nbytes: int) -> list[torch.Tensor]:
         if not self.bufs or self.bufs[0].numel() < nbytes:
             # zero-filled so the pages are touched once here, not inside the timed path
             self.bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
                          for _ in range(self.depth)]
+            self.allocations += self.depth
         return self.bufs
+
+    def header(self, values: list[int] | None = None) -> torch.Tensor:
+        """The header message: to receive into, or holding ``values`` to send."""
+        return self._message(0, values)
+
+    def trailer(self, values: list[int] | None = None) -> torch.Tensor:
+        return self._message(1, values)
+
+    def ids(self, block_ids: tuple[int, ...]) -> torch.Tensor:
+        """``block_ids`` as an int64 tensor on the pool's device (a view of the pair's buffer)."""
+        n = len(block_ids)
+        self._ids = self._fit(self._ids, n)
+        self._fill(self._ids[:n], block_ids)
+        return self._ids[:n]
+
+    def index(self, n: int) -> torch.Tensor:
+        """Room for one chunk's ``n`` row numbers (int64, on the pool's device)."""
+        self._index = self._fit(self._index, n)
+        return self._index[:n]
 
     def drop(self) -> None:
         self.bufs = []
+        self._msgs = self._host = self._ids = self._index = None
+
+    def _message(self, slot: int, values: list[int] | None) -> torch.Tensor:
+        if self._msgs is None:
+            self._msgs = torch.zeros(2, HEADER_LEN, dtype=torch.int64, device=self.device)
+            self.allocations += 1
+        msg = self._msgs[slot]
+        if values is not None:
+            self._fill(msg, values)
+        return msg
+
+    def _fit(self, buf: torch.Tensor | None, n: int) -> torch.Tensor:
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 2 * (buf.numel() if buf is not None else 0), 64),
+                              dtype=torch.int64, device=self.device)
+            self.allocations += 1
+        return buf
+
+    def _fill(self, dst: torch.Tensor, values) -> None:
+        """Write Python ints into ``dst`` (contiguous int64) without a temporary tensor: through
+        a NumPy view on the CPU, through a reused (pinned) host buffer onto a device."""
+        n = len(values)
+        if self.device.type == "cpu":
+            dst.numpy()[:n] = values
+            return
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 2 * (self._host.numel() if self._host is not None
+                                                 else 0), 64),
+                                     dtype=torch.int64, pin_memory=True)
+            self.allocations += 1
+        self._host.numpy()[:n] = values
+        dst.copy_(self._host[:n])
 
 
 class BlockMover:
@@ -218,7 +282,7 @@ class BlockMover:
     received into) the pool itself. Other chunks go through a staging buffer."""
 
     def __init__(self, pool: KVPool, block_ids: tuple[int, ...], chunk_planes: int,
-                 chunk_blocks: int) -> None:
+                 chunk_blocks: int, buffers: StagingRing) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= pool.num_blocks):
             raise IndexError(f"block id out of range [0, {pool.num_blocks})")
         self.nb = pool.num_blocks
@@ -226,7 +290,8 @@ class BlockMover:
         self.rows = pool.kv.view(self.num_planes * self.nb, -1)  # [planes * blocks, block_numel]
         self.row_bytes = pool.bytes_per_block // self.num_planes
         self.ids = block_ids
-        self.ids_t = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
+        self.buffers = buffers
+        self.ids_t = buffers.ids(block_ids)
         self.chunks = plan_chunks(self.num_planes, len(block_ids), chunk_planes, chunk_blocks)
         self.staging_bytes = max((c.num_rows for c in self.chunks), default=0) * self.row_bytes
         run = [1] * len(block_ids)  # run[i]: consecutive ids starting at position i
@@ -247,8 +312,13 @@ class BlockMover:
         return self.rows[first:first + n].view(-1).view(torch.uint8)
 
     def _index(self, c: Chunk) -> torch.Tensor:
-        planes = torch.arange(c.plane_start, c.plane_stop, device=self.ids_t.device)
-        return (planes[:, None] * self.nb + self.ids_t[None, c.block_start:c.block_stop]).view(-1)
+        """The chunk's pool rows (plane-major), in the pair's index buffer."""
+        n = c.block_stop - c.block_start
+        index = self.buffers.index(c.num_rows)
+        ids = self.ids_t[c.block_start:c.block_stop]
+        for k, plane in enumerate(range(c.plane_start, c.plane_stop)):
+            torch.add(ids, plane * self.nb, out=index[k * n:(k + 1) * n])
+        return index
 
     def _as_rows(self, buf: torch.Tensor, c: Chunk) -> torch.Tensor:
         return buf[: self.nbytes(c)].view(self.rows.dtype).view(c.num_rows, -1)
@@ -259,12 +329,6 @@ class BlockMover:
 
     def scatter(self, c: Chunk, buf: torch.Tensor) -> None:
         self.rows.index_copy_(0, self._index(c), self._as_rows(buf, c))
-
-
-def header_tensor(device: torch.device, values: list[int] | None = None) -> torch.Tensor:
-    if values is None:
-        return torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def incarnation_of(endpoint: str) -> int:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from ..workers.kv_pool import KVPool
 from .kv_groups import (
     GEN_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
-    TransportConfig, connect_store, failure_reason, header_tensor, incarnation_of, layout_of,
+    TransportConfig, connect_store, failure_reason, incarnation_of, layout_of,
     probe_store, run_abandonable,
 )
 from .kv_link import LINK_KEY, KvLink, parse_published
@@ -313,7 +313,7 @@ class _ReceiverPair:
                                     f"kv_pair_open {self.ctx_worker_id}->{self.owner.worker_id} "
                                     f"epoch={self.epoch}")
             group = self._ensure_group(name, endpoint, deadline)
-            hdr = header_tensor(self.owner.pool.device)
+            hdr = self.staging.header()
             deadline.wait(group.recv(hdr, wire_tag(0, 0)), "open header recv")
             header = WireHeader.from_ints(hdr.tolist())
             if header.seq != 0 or header.status != WireStatus.OPEN:
@@ -439,7 +439,7 @@ class _ReceiverPair:
             self._connect_link(self.store, endpoint)  # a link that closed comes back
         try:
             group = self._ensure_group(d.group, endpoint, op.deadline)
-            hdr = header_tensor(self.owner.pool.device)
+            hdr = self.staging.header()
             op.deadline.wait(group.recv(hdr, wire_tag(d.seq, 0)), "header recv")
             header = WireHeader.from_ints(hdr.tolist())
             self.first_byte_s.append(time.perf_counter() - op.issued_at)
@@ -452,10 +452,10 @@ class _ReceiverPair:
             proceed = sessions.begin_op(rid)
             t0 = time.perf_counter()
             mover = BlockMover(self.owner.pool, d.gen_block_ids, header.chunk_planes,
-                           header.chunk_blocks)
+                               header.chunk_blocks, self.staging)
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
             if d.stream:  # layer-wise: the first token, or CANCELLED, follows the payload
-                tr = header_tensor(self.owner.pool.device)
+                tr = self.staging.trailer()
                 op.deadline.wait(group.recv(tr, wire_tag(d.seq, len(mover.chunks) + 1)),
                                  "trailer recv")
                 trailer = WireTrailer.from_ints(tr.tolist())
@@ -621,7 +621,8 @@ class KVReceiver:
 
     def pair_stats(self) -> dict[str, dict[str, object]]:
         """Per pair: state, epoch, opens, open_failures, poisoned, reissued, last_error,
-        whether its direct control link is up, and the latest issue -> header times (ms)."""
+        whether its direct control link is up, how many buffers it has allocated (none per
+        transfer once warm: ``StagingRing``), and the latest issue -> header times (ms)."""
         with self._lock:
             pairs = dict(self._pairs)
         out = {}
@@ -631,6 +632,7 @@ class KVReceiver:
                 link = p.link
                 out[w] = {"state": state, "epoch": p.epoch, **p.stats, "last_error": p.last_error,
                           "link": link is not None and not link.closed,
+                          "buffer_allocations": p.staging.allocations,
                           "first_byte_ms": [round(1e3 * x, 4) for x in p.first_byte_s]}
         return out
 
@@ -720,6 +722,11 @@ class KVReceiver:
                     pair.open_answered(done.group, done.ok, done.reason)
             return
         if done.ok:
+            return
+        if done.retryable:
+            # The op never began and the context side kept the lease: its group was retired
+            # there. This side re-issues it when it moves to a newer group (or the session runs
+            # into its deadline); failing it here would race that re-issue.
             return
         rid = self.sessions.find_transfer(done.transfer_id, done.ctx_request_id)
         if rid is None:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from ..workers.kv_pool import KVPool
 from .kv_groups import (
     CTX_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
-    TransportConfig, as_timedelta, failure_reason, header_tensor, layout_of,
+    TransportConfig, as_timedelta, failure_reason, layout_of,
 )
 from .protocol import (
     CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
@@ -269,8 +269,8 @@ class _SenderPair:
         t0 = time.perf_counter()
         try:
             group = self._ensure_group(op.group, op.deadline)
-            hdr = header_tensor(self.owner.pool.device,
-                                WireHeader(0, int(WireStatus.OPEN), -1, -1, 0, 0, 0, 0).to_ints())
+            hdr = self.staging.header(
+                WireHeader(0, int(WireStatus.OPEN), -1, -1, 0, 0, 0, 0).to_ints())
             op.deadline.wait(group.send(hdr, wire_tag(0, 0)), "open header send")
         except Exception as exc:  # noqa: BLE001 - a failed open poisons the group like an op
             why = failure_reason(exc)
@@ -312,12 +312,12 @@ class _SenderPair:
             header = WireHeader(req.seq, int(status), req.transfer_id, req.ctx_request_id,
                                 nblocks, pool.bytes_per_block, planes, blocks)
             t0 = time.perf_counter()
-            hdr = header_tensor(pool.device, header.to_ints())
+            hdr = self.staging.header(header.to_ints())
             hdr_work = group.send(hdr, wire_tag(req.seq, 0))  # payload follows without waiting
             first_token, stream_reason = None, ""
             if proceed:
                 assert d is not None
-                mover = BlockMover(pool, d.ctx_block_ids, planes, blocks)
+                mover = BlockMover(pool, d.ctx_block_ids, planes, blocks, self.staging)
                 if during_prefill:
                     self.owner.overlapped += 1  # the send began while the prefill was running
                 self._send_payload(group, d, mover, op.deadline, progress)
@@ -331,7 +331,7 @@ class _SenderPair:
                     trailer = WireTrailer(req.seq, int(WireStatus.OK if first_token is not None
                                                        else WireStatus.CANCELLED),
                                           -1 if first_token is None else first_token)
-                    op.deadline.wait(group.send(header_tensor(pool.device, trailer.to_ints()),
+                    op.deadline.wait(group.send(self.staging.trailer(trailer.to_ints()),
                                                 wire_tag(req.seq, len(mover.chunks) + 1)),
                                      "trailer send")
             op.deadline.wait(hdr_work, "header send")
@@ -592,6 +592,11 @@ class KVSender:
     def _cancel_from(self, msg: CancelTransfer) -> None:
         self.cancel(msg.ctx_request_id, msg.reason, transfer_id=msg.transfer_id,
                     gen_worker_id=msg.gen_worker_id)
+
+    def buffer_allocations(self) -> dict[str, int]:
+        """Per generation worker: buffers its pair has allocated (``StagingRing``)."""
+        with self._lock:
+            return {w: p.staging.allocations for w, p in self._pairs.items()}
 
     def break_pair(self, gen_worker_id: str) -> bool:
         """Fault injection: cut the pair group's connections, as a dying peer or a broken

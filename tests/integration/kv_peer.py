@@ -100,6 +100,8 @@ def main(conn: Any, config: dict[str, Any], stall: dict[str, Any] | None = None)
                 send(("ok", senders[args[0]].folded))
             elif cmd == "pair_stats":
                 send(("ok", receivers[args[0]].pair_stats()))
+            elif cmd == "sender_allocations":
+                send(("ok", senders[args[0]].buffer_allocations()))
             elif cmd == "cancel_ctx":
                 wid, payload = args
                 senders[wid].handle(payload)

@@ -367,6 +367,6 @@ def _ray_logs() -> str:
         if path.is_file():
             try:
                 parts.append(path.read_bytes().decode(errors="replace"))
-            except OSError:
-                pass
+            except OSError:  # a log rotated or removed between listing and reading it
+                continue
     return "\n".join(parts)

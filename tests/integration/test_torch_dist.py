@@ -178,6 +178,28 @@ def test_transfers_in_a_row_keep_order(cluster: Cluster, pair: Any) -> None:
         assert_landed(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
 
 
+def test_a_warm_pair_allocates_nothing_per_transfer(cluster: Cluster, pair: Any) -> None:
+    """Staging, header and trailer, block ids and row index are the pair's, reused: after one
+    transfer of a size, more transfers of that size or less allocate no tensor on either side,
+    scattered ids (gathered and scattered through staging) included, and still land exactly."""
+    ctx, gen = pair
+    cw, gw = "ctxA0-float32", "gen1-float32"
+    jobs = [([40, 3, 17, 29, 8, 44, 12], [5, 31, 22, 9, 47, 1, 36]),
+            ([2, 30, 11], [41, 7, 19]), ([33, 6, 25, 14, 45], [28, 10, 39, 16, 3])]
+    cluster.transfer(ctx, cw, gen, gw, *jobs[0])  # warm: the largest of the three
+
+    def allocations() -> tuple[int, int]:
+        return (ctx.call("sender_allocations", cw)[gw],
+                gen.call("pair_stats", gw)[cw]["buffer_allocations"])
+
+    before = allocations()
+    for ctx_blocks, gen_blocks in jobs * 2:
+        _, got = cluster.transfer(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
+        assert got[2] == RecvState.COMPLETE, got
+        assert_landed(ctx, cw, gen, gw, ctx_blocks, gen_blocks)
+    assert allocations() == before
+
+
 def test_refusals_and_cancels_keep_the_pair_usable(cluster: Cluster, pair: Any) -> None:
     ctx, gen = pair
     cw, gw = "ctxA2-float16", "gen1-float16"

@@ -4,11 +4,14 @@ has), an abort that overtakes its submission in the WorkerHost, and the KV recei
 context endpoint that is gone (the context worker restarted)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve import LLM
 from pdserve import SamplingParams as ApiSamplingParams
 from pdserve.scheduler import LlmRequest
+from pdserve.transport.protocol import TransferDone, encode_message
 from pdserve.transport.sessions import RecvState
 from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, WireSampling
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
@@ -239,3 +242,27 @@ def test_a_stale_op_on_a_mute_port_does_not_hold_the_pair_from_the_restarted_wor
         mute.close()
         receiver.close()
         sender.close()
+
+
+def test_a_retryable_answer_leaves_the_transfer_to_its_re_issue(loaded):
+    """A context side that retired an op's group before the op began answers it retryable (its
+    lease is intact). The generation side may not have moved to the newer group yet: it must
+    not fail the transfer then, or it races its own re-issue (seen once under load in
+    test_torch_dist's lost-request test). A refusal that is not retryable still fails it."""
+    mcfg = loaded.config
+    pool = KVPool.for_model(mcfg, 16, 4, dtype=loaded.model.dtype, device="cpu")
+    receiver = KVReceiver("gen-r", pool, config=TransportConfig(connect_timeout_s=1.0))
+    try:
+        req = receiver.start(1, ctx_worker_id="ctx-r", ctx_endpoint="127.0.0.1:1#1",
+                             ctx_request_id=5, block_ids=[0, 1], timeout_s=30.0)
+        assert req is not None
+        answer = TransferDone(req.transfer_id, req.ctx_request_id, False, "pair group retired",
+                              0, 0.0, group=req.group, seq=req.seq, retryable=True)
+        receiver.handle(encode_message(answer))
+        assert receiver.sessions.state_of(1) == RecvState.REQUESTED
+        refused = dataclasses.replace(answer, reason="unknown context request", retryable=False)
+        receiver.handle(encode_message(refused))
+        (result,) = _poll_until(receiver, {1})
+        assert result.state == RecvState.FAILED and "unknown context request" in result.reason
+    finally:
+        receiver.close()
