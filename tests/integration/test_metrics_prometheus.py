@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-import socket
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,16 +20,13 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_session import free_port  # noqa: E402
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 WORKER_ID = f"pdserve-ctx-metrics-{os.getpid()}"  # unique: other Ray sessions may share the host
 ROUTER_ID = f"pdserve-router-metrics-{os.getpid()}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +39,7 @@ def ray_metrics_port():
     assert not ray.is_initialized()
     # address="local": always a fresh instance of our own, never a cluster someone else runs.
     ray.init(address="local", num_cpus=2, include_dashboard=False,
-             _metrics_export_port=_free_port(), log_to_driver=False)
+             _metrics_export_port=free_port(), log_to_driver=False)
     try:
         ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
         assert len(ports) == 1

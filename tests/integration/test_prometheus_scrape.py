@@ -27,7 +27,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")  # before the module's Ray starts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cli_session import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -60,12 +61,6 @@ ONLY_ON_FAULTS = frozenset({"ray_pdserve_kv_leases_expired_total", "ray_pdserve_
                             "ray_pdserve_router_fallbacks_total"})
 SHARED = list(range(200, 208))  # two blocks every prompt starts with, so the prefix counters move
 GAUGE_WAIT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _report_interval_s() -> float:
@@ -146,7 +141,7 @@ def prometheus(request):
         "  - job_name: ray\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
         f"    file_sd_configs:\n      - files: ['{sd_file}']\n        refresh_interval: 1s\n"
     )
-    port = _free_port()
+    port = free_port()  # below the ephemeral range the cluster's listeners draw from
     log = open(tmp / "prometheus.log", "wb")
     proc = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
