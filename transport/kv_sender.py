@@ -446,15 +446,18 @@ class KVSender:
             if first_token is not None:
                 progress.finish(first_token)
             return
-        # Not streamed: only an after-prefill request can claim it (a layer-wise one is asked
-        # for only after begin_stream announced it), so no progress is kept.
         self.sessions.lease(ctx_request_id, block_ids, lease_s=lease_s)
+        if first_token is not None:  # a layer-wise request that comes after the prefill
+            progress = LayerProgress(self.pool.num_layers)
+            progress.finish(first_token)
+            with self._lock:
+                self._progress[ctx_request_id] = progress
 
     def begin_stream(self, ctx_request_id: int, block_ids: list[int] | tuple[int, ...], *,
                      lease_s: float | None = None) -> None:
         """Lease a context request's blocks before the forward of its last prefill chunk
         writes them: a layer-wise KV request may claim them now, and its op sends each layer
-        as ``layers_written`` reports it. ``hold`` (with the first token) or ``cancel``
+        as ``layers_written`` reports it. ``hold`` (with the first token) or ``end_stream``
         follows at the end of the step."""
         self.sessions.lease(ctx_request_id, block_ids, lease_s=lease_s)
         with self._lock:
@@ -468,6 +471,12 @@ class KVSender:
         for p in progress:
             if p is not None:
                 p.advance(layers, event)
+
+    def end_stream(self, ctx_request_id: int, reason: str) -> None:
+        """A streamed context request ended without handing its KV off (a stop token first,
+        an abort, a failed step): its op's trailer says CANCELLED, and its blocks come back
+        through ``poll`` once the data plane is quiet."""
+        self.cancel(ctx_request_id, reason)
 
     def progress_of(self, ctx_request_id: int) -> LayerProgress | None:
         with self._lock:

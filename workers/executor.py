@@ -400,11 +400,12 @@ class Executor:
             r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS for r in self.active
         )
         failed = self.transceiver.poll(self.active, self.kv, wait_s=0.02 if waiting_only else 0.0)
-        for request in self.transceiver.take_streamed_in():
-            # layer-wise: the first token came with the KV, and the router streamed it from the
-            # context worker already
-            self.tracked[request.request_id].emitted = list(
-                request.context_phase_params.first_gen_tokens)
+        for request in self.active:
+            if request.state == LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE:
+                tracked = self.tracked[request.request_id]
+                if not tracked.emitted:  # layer-wise: the first token came with the KV, and
+                    # the router streamed it from the context worker already
+                    tracked.emitted = list(request.context_phase_params.first_gen_tokens)
         updates = []
         for request, reason in failed:
             self.active.remove(request)
@@ -540,6 +541,16 @@ class Executor:
             info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
             return WireUpdate.context_done(request.request_id, new, params, info)
+        if self.transceiver is not None and request.request_id in self.transceiver.streaming:
+            # A layer-wise context request that ended at its first token: its send may be in
+            # flight, so its blocks are freed only once the data plane is quiet.
+            tracked.finish_reason = reason
+            self.active.remove(request)
+            self._untrack(request.request_id)
+            info = self._request_info(request)
+            self.transceiver.end_stream(request, f"the request finished ({reason})")
+            self.stats.finished += 1
+            return WireUpdate.finished_with(request.request_id, new, reason, info)
         if reason is None:
             received = self.transceiver.received if self.transceiver is not None else None
             if received and request.request_id in received:
@@ -551,12 +562,7 @@ class Executor:
         self.active.remove(request)
         self._untrack(request.request_id)
         info = self._request_info(request)
-        if self.transceiver is not None and request.request_id in self.transceiver.streaming:
-            # A layer-wise context request that ended at its first token: its send may be in
-            # flight, so its blocks are freed only once the data plane is quiet.
-            self.transceiver.end_stream(request, f"the request finished ({reason})")
-        else:
-            lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
+        lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
         return WireUpdate.finished_with(request.request_id, new, reason, info)
 

@@ -83,9 +83,6 @@ class KVTransceiver:
         # ... and the client ids of the latest that finished: a KV request's Ray copy (the
         # dashboard's record) may arrive after the send its direct copy started is over.
         self._sent_clients: OrderedDict[int, str | None] = OrderedDict()
-        # Generation side: layer-wise requests whose first token came with their KV in the last
-        # poll (take_streamed_in).
-        self._streamed_in: list[LlmRequest] = []
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
         self.draining: dict[int, LlmRequest] = {}
         # Generation side: request id -> (bytes, seconds, blocks moved) of its completed
@@ -148,8 +145,7 @@ class KVTransceiver:
         """A streamed context request ended without a hand-off (a stop token first, a failed
         step): the send is cancelled, and its blocks are freed once the data plane is quiet."""
         self.streaming.discard(request.request_id)
-        # (cancel also stops the stream's progress: its op ends with a CANCELLED trailer)
-        self.sender.cancel(request.request_id, reason)
+        self.sender.end_stream(request.request_id, reason)
         self.transmitting[request.request_id] = request
 
     def _lease(self, lease_s: float | None) -> float:
@@ -204,11 +200,6 @@ class KVTransceiver:
             self.outbox.put(ControlMessage(params.ctx_worker_id, encode_message(kv_request),
                                            endpoint, name))
 
-    def take_streamed_in(self) -> list[LlmRequest]:
-        """Layer-wise requests that received their KV and first token since the last call."""
-        got, self._streamed_in = self._streamed_in, []
-        return got
-
     def deliver_reply(self, payload: bytes | None) -> None:
         """Thread-safe: the context worker's answer to a KV request."""
         if payload:
@@ -254,7 +245,6 @@ class KVTransceiver:
                     failed.append((request, "layer-wise receive ended without a first token"))
                     continue
                 request.context_phase_params.first_gen_tokens = [first_token]
-                self._streamed_in.append(request)
             if result.ok:
                 request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
                 self.received[request.request_id] = (result.nbytes, result.seconds, moved)
