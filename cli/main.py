@@ -72,6 +72,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                                  "pins the role to nodes started with them (`ray start --resources`)")
     parser.add_argument("--max-queue", type=int)
     parser.add_argument("--max-retries", type=int)
+    parser.add_argument("--worker-wait", type=float, dest="worker_wait_s", metavar="S",
+                        help="seconds a request may wait for a worker Ray is restarting when no "
+                             "other can take it (default 30; 0: fail it at once, UNAVAILABLE)")
     parser.add_argument("--agent-types", help="comma-separated agent types for the agent-tree order")
     parser.add_argument("--agent-percentage", type=float)
     parser.add_argument("--kv-connect-timeout", type=float, dest="connect_timeout_s", metavar="S",
@@ -146,7 +149,7 @@ def launch_config_from_args(args: argparse.Namespace):
         if value is not None:
             engine[f.name] = value
     router = dict(data.get("router") or {})
-    for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "agent_percentage",
+    for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "worker_wait_s", "agent_percentage",
                 "http_port", "http_host", "served_model_name", "kv_transfer_mode", "host",
                 "max_inflight_per_key", "tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(args, key, None)

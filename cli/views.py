@@ -308,7 +308,8 @@ def router_lines(status: Any) -> list[Text]:
     t, k = status.totals, status.totals.kv_paths
     return [
         _line("router", f"queue {status.router_queue_depth}", f"in flight {t.in_flight}",
-              f"received {t.received}", f"retries {t.retries}", f"fallbacks {t.fallbacks}"),
+              f"received {t.received}", f"retries {t.retries}", f"fallbacks {t.fallbacks}",
+              f"waits {t.worker_waits}"),
         _line("totals", f"completed {t.completed}", f"failed {t.failed}", f"aborted {t.aborted}",
               f"rejected {t.rejected}"),
         _line("KV paths", f"transferred {k.transferred}", f"local {k.local_prefill}",

@@ -337,6 +337,10 @@ class RetryPlan(NamedTuple):
     ctx_worker: str | None
     gen_worker: str | None
     reason: str
+    # GIVE_UP only: no worker can take the request now, but one that is down may come back (Ray
+    # restarts it), so the router may wait for one (RouterConfig.worker_wait_s) and plan again.
+    # False when waiting cannot help: retries used up, every way after failed transfers tried.
+    worker_may_return: bool = False
 
 
 def plan_retry(
@@ -357,7 +361,8 @@ def plan_retry(
     mode is ALWAYS) local prefill on an untried generation worker; then an untried pair in
     ``unready`` (its KV pair group is being set up: the transfer waits for it); else give up.
     An unready pair is no failure of its workers. Uses ``rank`` only, so policy state
-    (round-robin position) is not advanced."""
+    (round-robin position) is not advanced. A GIVE_UP while some worker is unhealthy says
+    ``worker_may_return``."""
     if retries_used >= max_retries:
         return RetryPlan(RetryAction.GIVE_UP, None, None, f"max_retries={max_retries} reached")
     failed_set = set(failed)
@@ -382,7 +387,10 @@ def plan_retry(
     if pairs:
         *_, c, g = min(pairs)
         return RetryPlan(RetryAction.PAIR, c, g, "untried pair whose KV group is being set up")
-    return RetryPlan(RetryAction.GIVE_UP, None, None, "no untried healthy worker")
+    # Waiting helps only while some worker is down: one Ray restarts comes back as a new
+    # process, whose failures the caller no longer counts (a failure is of one incarnation).
+    return RetryPlan(RetryAction.GIVE_UP, None, None, "no untried healthy worker",
+                     worker_may_return=any(not w.healthy for w in workers))
 
 
 def plan_transfer_fallback(
@@ -402,7 +410,8 @@ def plan_transfer_fallback(
     generation worker; else give up. Uses ``rank`` only (no policy state advanced)."""
     gen = next((w for w in workers if w.worker_id == gen_worker), None)
     if gen is None or not gen.healthy:
-        return RetryPlan(RetryAction.GIVE_UP, None, None, f"{gen_worker} is not healthy")
+        return RetryPlan(RetryAction.GIVE_UP, None, None, f"{gen_worker} is not healthy",
+                         worker_may_return=True)
     if mode != DisaggregationMode.ALWAYS and (None, gen_worker) not in failed:
         return RetryPlan(RetryAction.LOCAL_PREFILL, None, gen_worker,
                          "local prefill after a failed KV transfer")

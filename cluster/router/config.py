@@ -25,6 +25,9 @@ class RouterConfig:
     max_queue: int = 1024
     max_inflight: int | None = None  # default: the generation workers' batch sizes summed
     max_retries: int = 2
+    # How long a request may wait in all for a worker to come back when none can take it (a
+    # restart of the only generation worker, say); 0: fail such requests at once (UNAVAILABLE).
+    worker_wait_s: float = 30.0
     # A worker heard from neither by updates nor by heartbeats this long has failed its attempts.
     worker_call_timeout_s: float = 30.0
     status_timeout_s: float = 5.0  # one worker's status call (a restarting worker is slow)
@@ -71,7 +74,7 @@ class RouterConfig:
             object.__setattr__(self, "routing", routing_mode(self.routing))
         except ValueError as exc:
             raise ValueError(f"routing: {exc}") from None
-        for name in ("kv_overlap_weight", "kv_decode_weight"):
+        for name in ("kv_overlap_weight", "kv_decode_weight", "worker_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
 

@@ -99,7 +99,8 @@ class Router:
         self.dispatch_log: collections.deque[str] = collections.deque(maxlen=DISPATCH_LOG_LEN)
         self.serving = True
         self.totals = {k: 0 for k in ("received", "completed", "failed", "aborted", "rejected",
-                                      "retries", "remote_prefills", "local_prefills", "fallbacks")}
+                                      "retries", "remote_prefills", "local_prefills", "fallbacks",
+                                      "worker_waits")}
         # How each finished request's KV reached its generation worker (KvPathTotals).
         self.kv_paths = {k: 0 for k in KV_PATH_KINDS}
         # The prefix index's prediction for each completed request's prefill worker against what

@@ -102,14 +102,44 @@ class Dispatcher:
 
     async def run(self, req: RouterRequest) -> None:
         r = self.router
-        failed: set[tuple[str | None, str]] = set()  # attempts on workers that failed (retries)
+        # Pairs whose attempt failed (retries), each with the workers' incarnations then: a
+        # failure is of one process, and a worker Ray restarted may be tried again.
+        failed: dict[tuple[str | None, str], tuple[int | None, int | None]] = {}
         transfer_failed: set[tuple[str | None, str]] = set()  # pairs whose transfer failed (fallbacks)
         last_error = ""
+        wait_until: float | None = None  # set at the first wait: worker_wait_s in all
+
+        def retry_plan() -> P.RetryPlan:
+            for pair, incarnations in list(failed.items()):
+                if self._incarnations(pair) != incarnations:
+                    del failed[pair]
+            return P.plan_retry(failed, list(self.registry.loads.values()), prompt_info,
+                                retries_used=req.retries, max_retries=self.config.max_retries,
+                                context_policy=r.context_policy,
+                                generation_policy=r.generation_policy,
+                                mode=P.DisaggregationMode(req.spec.disaggregation),
+                                unready=self.registry.unready_pairs())
+
         try:
             blank = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
             prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
             plan = self._first_plan(req, prompt_info)
             while True:
+                if plan.action == P.RetryAction.GIVE_UP and plan.worker_may_return:
+                    if wait_until is None:
+                        wait_until = time.monotonic() + self.config.worker_wait_s
+                        r.totals["worker_waits"] += 1
+                    if await self._wait_for_worker(req, plan.reason, wait_until):
+                        prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
+                        if failed or transfer_failed:
+                            # A transfer's generation worker went down: its pairs are new now.
+                            transfer_failed.clear()
+                            plan = retry_plan()
+                            if plan.action != P.RetryAction.GIVE_UP:
+                                self._count_retry(req)
+                        else:
+                            plan = self._first_plan(req, prompt_info)
+                        continue
                 if plan.action == P.RetryAction.GIVE_UP:
                     await r.fail(req, grpc.StatusCode.UNAVAILABLE,
                                  f"no worker could serve the request: {plan.reason}{last_error}")
@@ -147,19 +177,12 @@ class Dispatcher:
                     log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
                                 plan.ctx_worker, plan.gen_worker, exc)
                     last_error = f"; last failure: {exc}"
-                    failed.add((plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker))
+                    pair = (plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker)
+                    failed[pair] = self._incarnations(pair)
                     prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
-                    plan = P.plan_retry(failed, list(self.registry.loads.values()), prompt_info,
-                                        retries_used=req.retries, max_retries=self.config.max_retries,
-                                        context_policy=r.context_policy,
-                                        generation_policy=r.generation_policy,
-                                        mode=P.DisaggregationMode(req.spec.disaggregation),
-                                        unready=self.registry.unready_pairs())
+                    plan = retry_plan()
                     if plan.action != P.RetryAction.GIVE_UP:
-                        req.retries += 1
-                        r.totals["retries"] += 1
-                        if r.metrics is not None:
-                            r.metrics.count_retries()
+                        self._count_retry(req)
         except asyncio.CancelledError:
             raise
         except StopStringReached:
@@ -178,7 +201,8 @@ class Dispatcher:
         loads = list(self.registry.loads.values())
         gen = r.generation_policy.select(loads, prompt_info)
         if gen is None:
-            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker")
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker",
+                               worker_may_return=bool(self.registry.gen_ids))
         ctx = None
         if self.registry.ctx_ids:
             # Only over a KV pair that is set up: a transfer never waits for a rendezvous.
@@ -199,11 +223,32 @@ class Dispatcher:
             decision = P.decide_prefill(P.DisaggregationMode(req.spec.disaggregation), len(req.prompt),
                                         gen.matched_tokens, self.config.max_local_prefill_length,
                                         context_available=ctx is not None)
-        except P.NoWorkerAvailable as exc:
-            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, str(exc))
+        except P.NoWorkerAvailable as exc:  # disaggregation=ALWAYS, no context worker healthy
+            return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, str(exc),
+                               worker_may_return=bool(self.registry.ctx_ids))
         if decision.route == P.PrefillRoute.REMOTE:
             return P.RetryPlan(P.RetryAction.PAIR, ctx.worker_id, gen.worker_id, decision.reason)
         return P.RetryPlan(P.RetryAction.LOCAL_PREFILL, None, gen.worker_id, decision.reason)
+
+    def _incarnations(self, pair: tuple[str | None, str]) -> tuple[int | None, int | None]:
+        infos = self.registry.infos
+        return tuple(infos[w].incarnation if w in infos else None for w in pair)  # type: ignore[return-value]
+
+    async def _wait_for_worker(self, req: RouterRequest, why: str, until: float) -> bool:
+        """Wait (until ``until``, never past the request's deadline) for a worker to turn
+        healthy: Ray is restarting one, and a request that can wait a few seconds is not lost
+        (measured kill -> healthy: 1.7-3.2 s, docs/benchmarks.md section 14). True if one did."""
+        left = min(until, req.deadline) - time.monotonic()
+        if left <= 0:
+            return False
+        log.info("request %s waits up to %.1f s for a worker: %s", req.external_id, left, why)
+        return await self.registry.wait_for_healthy(left)
+
+    def _count_retry(self, req: RouterRequest) -> None:
+        req.retries += 1
+        self.router.totals["retries"] += 1
+        if self.router.metrics is not None:
+            self.router.metrics.count_retries()
 
     async def _remote(self, req: RouterRequest, ctx_id: str, gen_id: str) -> None:
         r = self.router

@@ -59,6 +59,8 @@ class WorkerRegistry:
         self.kv_event_blocks: dict[str, dict[str, int]] = {w: {"stored": 0, "removed": 0} for w in infos}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._reconnects: dict[str, asyncio.Task] = {}  # worker id -> its reconnect in progress
+        # Set, then replaced, each time a worker turns healthy (requests waiting for one).
+        self._turned_healthy = asyncio.Event()
 
     @property
     def worker_ids(self) -> list[str]:
@@ -235,6 +237,17 @@ class WorkerRegistry:
             worker_id, old.role, active_requests=s.num_active + s.queue_depth,
             queued_prompt_tokens=s.queued_prefill_tokens, free_kv_blocks=s.free_blocks, total_kv_blocks=s.total_blocks,
             max_batch_size=s.max_batch_size, healthy=s.healthy)
+        if s.healthy and not old.healthy:
+            self._turned_healthy.set()
+            self._turned_healthy = asyncio.Event()
+
+    async def wait_for_healthy(self, timeout_s: float) -> bool:
+        """True once some worker turns healthy within ``timeout_s`` (on the router's loop)."""
+        try:
+            await asyncio.wait_for(self._turned_healthy.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
 
     def note_dispatch(self, worker_id: str, prompt_tokens: int) -> None:
         """The optimistic view until the next heartbeat, so a burst spreads out."""

@@ -147,6 +147,47 @@ def test_generation_worker_killed_with_100_requests_in_flight(cluster, model_dir
     _recovered(cl, model_dir, "gen-0", 22, figures, "generation worker kill")
 
 
+def test_the_only_generation_worker_killed_costs_no_request(cluster, model_dir):
+    """1P1D, the one generation worker killed while 12 requests stream on it and 6 more arrive
+    while it is down: no worker can take them until Ray has restarted it, so each waits for it
+    (RouterConfig.worker_wait_s) instead of failing UNAVAILABLE, then continues after the
+    tokens it already streamed, with the same tokens as without the fault."""
+    n_streaming, n_late, max_tokens = 12, 6, 24
+    batch = U.prompts(n_streaming + n_late, seed=27, lo=8, hi=20)
+    expected = U.reference(model_dir, batch, max_tokens)
+    cl = cluster(num_context_workers=1, num_generation_workers=1)
+    streamed: dict[str, int] = {}
+
+    def seen(r: U.Result) -> None:
+        streamed[r.request_id] = len(r.tokens)
+
+    async def go():
+        async with U.channel(cl.port) as ch:
+            stub = U.stub_of(ch)
+            # slow decode steps: none of the first 12 can finish before the kill
+            await cl.workers["gen-0"].test_hook.remote("slow_steps", 0.05)
+            tasks = [asyncio.create_task(U.generate(stub, f"s{i}", p, max_tokens, on_delta=seen))
+                     for i, p in enumerate(batch[:n_streaming])]
+            while sum(1 for k in streamed.values() if k >= 2) < n_streaming // 2:
+                assert not any(t.done() for t in tasks), "a request finished before the fault"
+                await asyncio.sleep(0.02)
+            ray.kill(cl.workers["gen-0"], no_restart=False)  # Ray restarts it
+            tasks += [asyncio.create_task(U.generate(stub, f"late{i}", p, max_tokens))
+                      for i, p in enumerate(batch[n_streaming:])]
+            return await asyncio.gather(*tasks)
+
+    results = U.run(go(), 180)
+    assert [r.code for r in results] == [None] * len(batch), [(r.request_id, r.details) for r in results if r.code]
+    assert [r.tokens for r in results] == expected  # no duplicate, no gap, same tokens
+    retried = [r for r in results[:n_streaming] if r.last.timings.retries > 0]
+    assert len(retried) >= n_streaming // 2, [r.last.timings for r in results]
+    st = U.status(cl.port)
+    assert st.totals.worker_waits >= 1 and st.totals.failed == 0, st.totals
+    _recovered(cl, model_dir, "gen-0", 28, {"retried": len(retried),
+                                            "worker_waits": st.totals.worker_waits},
+               "only generation worker kill")
+
+
 def test_context_worker_killed_mid_transfer(cluster, model_dir):
     n, max_tokens = 100, 16
     batch = U.prompts(n, seed=31)

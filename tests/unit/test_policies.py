@@ -353,6 +353,28 @@ def test_retry_gives_up():
     assert retry(set(), [ctx("c0")]).action == RetryAction.GIVE_UP  # no generation worker
 
 
+def test_a_give_up_says_whether_a_worker_may_come_back():
+    # The only generation worker is down (Ray restarts it): waiting for it can help.
+    down = [ctx("c0"), gen("g0", healthy=False)]
+    plan = retry({("c0", "g0")}, down)
+    assert plan.action == RetryAction.GIVE_UP and plan.worker_may_return
+    # Every worker is up and each way failed: nothing to wait for, fail now.
+    up = [ctx("c0"), gen("g0")]
+    plan = retry({("c0", "g0"), (None, "g0")}, up)
+    assert plan.action == RetryAction.GIVE_UP and not plan.worker_may_return
+    # Retries used up: no wait either, whatever is down.
+    plan = retry(set(), down, used=3, max_retries=3)
+    assert plan.action == RetryAction.GIVE_UP and not plan.worker_may_return
+    # A transfer to a generation worker that went down: it may come back.
+    plan = plan_transfer_fallback({("c0", "g0")}, "g0", down, prompt(9),
+                                  context_policy=LeastLoadedPolicy())
+    assert plan.action == RetryAction.GIVE_UP and plan.worker_may_return
+    # Every way to a live generation worker tried: no wait.
+    plan = plan_transfer_fallback({("c0", "g0")}, "g0", up, prompt(9),
+                                  context_policy=LeastLoadedPolicy(), mode=DisaggregationMode.ALWAYS)
+    assert plan.action == RetryAction.GIVE_UP and not plan.worker_may_return
+
+
 def test_retry_in_never_mode_moves_local_prefill_to_another_worker():
     ws = [ctx("c0"), gen("g0"), gen("g1")]
     plan = retry({(None, "g0")}, ws, mode=DisaggregationMode.NEVER)
