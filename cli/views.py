@@ -439,6 +439,21 @@ def nodes_table(status: Any) -> Table:
     return table
 
 
+def kv_pair_lines(status: Any) -> list[Text]:
+    """Each generation worker's KV pairs and their states; a pair that is not ready is shown
+    in red (requests avoid it until it is set up again)."""
+    lines = []
+    for w in status.workers:
+        if not w.kv_pairs:
+            continue
+        text = Text(f"KV pairs {w.worker_id}: ")
+        for i, (ctx, state) in enumerate(sorted(w.kv_pairs.items())):
+            text.append(", " if i else "")
+            text.append(f"{ctx} {state}", style=None if state in ("ready", "lazy") else "red")
+        lines.append(text)
+    return lines
+
+
 def render_status(status: Any, *, address: str = "") -> RenderableType:
     """What ``pdserve status`` prints."""
     head = Text("pdserve cluster", style="bold")
@@ -460,6 +475,7 @@ def render_status(status: Any, *, address: str = "") -> RenderableType:
         if w.requests_by_state:
             states = ", ".join(f"{k}={v}" for k, v in sorted(w.requests_by_state.items()))
             parts.append(Text(f"states {w.worker_id}: {states}"))
+    parts.extend(kv_pair_lines(status))
     parts.extend(violation_lines(status))
     parts.extend(router_lines(status))
     parts.extend(security_lines(status))

@@ -203,7 +203,7 @@ def _status_proto(s: WorkerStatus, role, healthy: bool, age: float):
         max_batch_size=s.max_batch_size, tokens_per_block=s.tokens_per_block,
         generated_tokens=s.generated_tokens, context_tokens=s.context_tokens,
         paused_requests=s.paused_requests, status_age_s=age, capacity_policy=s.capacity_policy,
-        unexpected_recomputes=s.unexpected_recomputes)
+        unexpected_recomputes=s.unexpected_recomputes, kv_pairs=s.kv_pairs)
 
 
 _EVENT_KINDS = {"transfer": pb.ClusterEvent.TRANSFER, "pause": pb.ClusterEvent.PAUSE,

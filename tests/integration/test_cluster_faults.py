@@ -63,6 +63,12 @@ def _recovered(cl, model_dir, worker_id: str, seed: int, figures: dict, label: s
     serves correct output again, and no block leaks. Prints the test's figures."""
     U.wait_drained(cl)
     _wait_rejoined(cl, worker_id)
+    # what `pdserve status` shows: every generation worker's pair with every context worker
+    # set up again
+    st = U.status(cl.port)
+    pairs = {w.worker_id: dict(w.kv_pairs) for w in st.workers if w.role == pb.WORKER_ROLE_GENERATION}
+    ctxs = {w.worker_id for w in st.workers if w.role == pb.WORKER_ROLE_CONTEXT}
+    assert pairs and all(p == dict.fromkeys(ctxs, "ready") for p in pairs.values()), pairs
     _assert_served_again(cl, model_dir, worker_id, seed=seed)
     final = U.wait_drained(cl)
     figures["leaked_blocks"] = sum(w.total_kv_blocks - w.free_kv_blocks for w in final.workers)

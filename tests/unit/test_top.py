@@ -339,3 +339,13 @@ def test_status_shows_each_workers_node_when_known():
     for i, w in enumerate(status.workers):
         assert f"10.0.0.{i + 1}" in column_text(text, nodes, "node IP")
         assert f"{i:02x}" * 28 in ids
+
+
+def test_status_shows_each_generation_workers_kv_pairs():
+    status = make_status(3)
+    assert "KV pairs" not in render(views.render_status(status))  # none reported: no line
+    status.workers[1].kv_pairs.update({"ctx-0": "ready", "ctx-1": "opening"})
+    status.workers[2].kv_pairs.update({"ctx-0": "down"})
+    text = render(views.render_status(status))
+    assert "KV pairs gen-0: ctx-0 ready, ctx-1 opening" in text
+    assert f"KV pairs {LONG_WORKER}: ctx-0 down" in " ".join(text.split())
