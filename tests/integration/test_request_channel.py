@@ -14,7 +14,7 @@ import pytest
 
 from pdserve import LLM
 from pdserve import SamplingParams as ApiSamplingParams
-from pdserve.cluster.worker_channel import CLOSED, ChannelClosed, ChannelRefused, WorkerChannel
+from pdserve.cluster.worker_channel import CLOSED, ChannelRefused, WorkerChannel
 from pdserve.transport.requests import (
     PROTOCOL_VERSION,
     ErrorKind,
