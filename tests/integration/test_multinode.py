@@ -121,7 +121,7 @@ def test_cli_joins_the_token_cluster_and_shows_where_workers_run(nodes, tmp_path
         head, gen_nodes = named["head"].node_id, {named["a"].node_id, named["b"].node_id}
         assert workers["ctx-0"]["nodeId"] == head and workers["gen-0"]["nodeId"] in gen_nodes
         assert all(w["nodeIp"] == named["head"].node_ip_address for w in workers.values())
-        assert workers["gen-0"]["kvPairs"] == {"ctx-0": "ready"} and "kvPairs" not in workers["ctx-0"]
+        assert workers["gen-0"]["kvPairs"] == {"ctx-0": "ready"} and not workers["ctx-0"]["kvPairs"]
         text = _run("status", "--port", str(port), env=env)
         assert "Ray node id" in text.stdout and head[:8] in text.stdout, text.stderr
         assert "KV pairs gen-0: ctx-0 ready" in text.stdout
