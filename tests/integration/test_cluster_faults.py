@@ -162,18 +162,17 @@ def test_the_only_generation_worker_killed_costs_no_request(cluster, model_dir):
     batch = U.prompts(n_streaming + n_late, seed=27, lo=8, hi=20)
     expected = U.reference(model_dir, batch, max_tokens)
     cl = cluster(num_context_workers=1, num_generation_workers=1)
-    streamed: dict[str, int] = {}
-
-    def seen(r: U.Result) -> None:
-        streamed[r.request_id] = len(r.tokens)
+    streamed: dict[str, int] = {}  # request id -> tokens the client has
 
     async def go():
         async with U.channel(cl.port) as ch:
             stub = U.stub_of(ch)
             # slow decode steps: none of the first 12 can finish before the kill
             await cl.workers["gen-0"].test_hook.remote("slow_steps", 0.05)
-            tasks = [asyncio.create_task(U.generate(stub, f"s{i}", p, max_tokens, on_delta=seen))
-                     for i, p in enumerate(batch[:n_streaming])]
+            tasks = [asyncio.create_task(U.generate(
+                stub, f"s{i}", p, max_tokens,
+                on_delta=lambda r: streamed.__setitem__(r.request_id, len(r.tokens))))
+                for i, p in enumerate(batch[:n_streaming])]
             while sum(1 for k in streamed.values() if k >= 2) < n_streaming // 2:
                 assert not any(t.done() for t in tasks), "a request finished before the fault"
                 await asyncio.sleep(0.02)
