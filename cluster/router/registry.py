@@ -31,6 +31,7 @@ from .config import RouterConfig, WorkerFailure
 log = logging.getLogger("pdserve.router")
 
 MAX_EVENTS = 1000  # recent worker events kept for GetClusterStatus
+READY_PAIR_STATES = ("ready", "lazy")  # a KV pair a transfer may be planned over
 
 
 class WorkerRegistry:
@@ -159,7 +160,7 @@ class WorkerRegistry:
     def pair_ready(self, ctx_id: str, gen_id: str) -> bool:
         """The generation worker's last status says its KV pair with ``ctx_id`` is set up."""
         s = self.statuses.get(gen_id)
-        return s is not None and s.kv_pairs.get(ctx_id) in ("ready", "lazy")
+        return s is not None and s.kv_pairs.get(ctx_id) in READY_PAIR_STATES
 
     def unready_pairs(self) -> set[tuple[str, str]]:
         """(ctx, gen) pairs no KV transfer should be planned over now."""
@@ -228,6 +229,7 @@ class WorkerRegistry:
     def on_status(self, worker_id: str, s: WorkerStatus) -> None:
         """A heartbeat's status (on the router's loop, from the channel's reader): the load
         view, the worker's violations and its events."""
+        before = self.statuses.get(worker_id)
         self.statuses[worker_id] = s
         self.violations[worker_id] = list(s.violations)
         if s.events:
@@ -237,12 +239,16 @@ class WorkerRegistry:
             worker_id, old.role, active_requests=s.num_active + s.queue_depth,
             queued_prompt_tokens=s.queued_prefill_tokens, free_kv_blocks=s.free_blocks, total_kv_blocks=s.total_blocks,
             max_batch_size=s.max_batch_size, healthy=s.healthy)
-        if s.healthy and not old.healthy:
+        ready = {c for c, state in s.kv_pairs.items() if state in READY_PAIR_STATES}
+        was_ready = set() if before is None else {
+            c for c, state in before.kv_pairs.items() if state in READY_PAIR_STATES}
+        if (s.healthy and not old.healthy) or (s.healthy and ready - was_ready):
             self._turned_healthy.set()
             self._turned_healthy = asyncio.Event()
 
     async def wait_for_healthy(self, timeout_s: float) -> bool:
-        """True once some worker turns healthy within ``timeout_s`` (on the router's loop)."""
+        """True once some worker turns healthy, or a healthy worker's KV pair becomes ready,
+        within ``timeout_s`` (on the router's loop)."""
         try:
             await asyncio.wait_for(self._turned_healthy.wait(), timeout_s)
             return True
