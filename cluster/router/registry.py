@@ -62,6 +62,7 @@ class WorkerRegistry:
         self._reconnects: dict[str, asyncio.Task] = {}  # worker id -> its reconnect in progress
         # Set, then replaced, each time a worker turns healthy (requests waiting for one).
         self._turned_healthy = asyncio.Event()
+        self._closing = False  # close() began: channels closing are the router's doing
 
     @property
     def worker_ids(self) -> list[str]:
@@ -207,10 +208,14 @@ class WorkerRegistry:
 
     def _on_channel_closed(self, channel: WorkerChannel) -> None:
         """A worker whose channel closed (dead, restarting, or just disconnected) loses its
-        index entries at once; the next channel starts from a snapshot."""
+        index entries at once; the next channel starts from a snapshot. It is unhealthy at
+        once, idle or not: no request is planned onto a dead process while Ray restarts it
+        (a reconnect's heartbeat makes it healthy again)."""
         current = self.channels.get(channel.worker_id)
         if (current is channel or current is None) and channel.worker_id in self.index.workers():
             self.index.remove_worker(channel.worker_id)
+        if current is channel and not self._closing:
+            self.mark_unhealthy(channel.worker_id, f"request channel closed: {channel.closed_reason}")
 
     def prefix_matches(self, prompt: P.PromptInfo) -> dict[str, int]:
         """Each worker's cached leading run of the prompt's blocks (workers with none left out)."""
@@ -219,6 +224,7 @@ class WorkerRegistry:
         return self.index.match(prompt.block_keys)
 
     def close(self) -> None:
+        self._closing = True
         for task in self._reconnects.values():
             task.cancel()
         for channel in self.channels.values():

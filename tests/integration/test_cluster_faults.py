@@ -193,6 +193,32 @@ def test_the_only_generation_worker_killed_costs_no_request(cluster, model_dir):
                "only generation worker kill")
 
 
+def test_requests_that_require_a_context_worker_wait_for_it_to_come_back(cluster, model_dir):
+    """disaggregation=ALWAYS with the only context worker down: no pair can take the requests.
+    They wait until Ray has restarted it and its KV pair with the generation worker is set up
+    again (the heartbeat that shows the pair ready wakes them), then are prefilled on it."""
+    batch = U.prompts(6, seed=29, lo=8, hi=20)
+    expected = U.reference(model_dir, batch, 8)
+    cl = cluster(num_context_workers=1, num_generation_workers=1)
+    ray.kill(cl.workers["ctx-0"], no_restart=False)  # Ray restarts it
+    U.wait_for(lambda: not ray.get(cl.router.debug_state.remote(), timeout=U.RAY_TIMEOUT_S)
+               ["healthy"]["ctx-0"], 30, "the router to see ctx-0 down")
+
+    async def go():
+        async with U.channel(cl.port) as ch:
+            stub = U.stub_of(ch)
+            return await asyncio.gather(*(U.generate(stub, f"a{i}", p, 8, disaggregation="ALWAYS")
+                                          for i, p in enumerate(batch)))
+
+    results = U.run(go(), 120)
+    assert [r.code for r in results] == [None] * len(batch), [r.details for r in results]
+    assert [r.tokens for r in results] == expected
+    assert all(r.last.timings.ctx_worker == "ctx-0" and not r.last.timings.local_prefill
+               for r in results), [r.last.timings for r in results]
+    assert U.status(cl.port).totals.worker_waits >= 1
+    U.wait_drained(cl)
+
+
 def test_context_worker_killed_mid_transfer(cluster, model_dir):
     n, max_tokens = 100, 16
     batch = U.prompts(n, seed=31)
