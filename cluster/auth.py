@@ -1,7 +1,8 @@
 """Front-door security, the decisions only: API keys (loading, matching in constant time,
 per-key requests in flight), the TLS files, and the warning for an unprotected non-loopback
-bind. No gRPC and no aiohttp here: ``cluster/router/security.py`` (a gRPC server interceptor
-and the server credentials) and ``cluster/http_server.py`` (a middleware) adapt it.
+bind. No gRPC and no aiohttp here: ``cluster/front/grpc/security.py`` (a gRPC server
+interceptor and the server credentials) and ``cluster/front/openai/server.py`` (a middleware)
+adapt it.
 
 Invariants:
 - A key is never logged, echoed or shown: a ``KeyRing`` keeps only SHA-256 digests of its
@@ -257,6 +258,20 @@ def exposure_warnings(doors: Sequence[tuple[str, str]], *, api_keys: bool, tls: 
     return [f"the {name} front door binds {host or '*'} (not loopback) with no API key and no TLS: "
             f"anyone who can reach it can use the cluster; pass --api-key and --tls-cert/--tls-key, "
             f"or bind 127.0.0.1" for name, host in doors if not is_loopback(host)]
+
+
+@dataclass(frozen=True, slots=True)
+class DoorSecurity:
+    """How the router's front doors are protected, as status shows it: counts and flags, never a
+    key. The addresses are the bound ones ("" for a door that is off)."""
+
+    api_keys: int = 0
+    tls: bool = False
+    mutual_tls: bool = False
+    max_inflight_per_key: int | None = None
+    warnings: tuple[str, ...] = ()
+    grpc_address: str = ""
+    http_address: str = ""
 
 
 def split_target(address: str) -> tuple[str, bool | None]:

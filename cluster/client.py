@@ -12,6 +12,8 @@ tls_ca="ca.pem")`` (``api_key`` defaults to $PDSERVE_API_KEY; ``tls_client_cert`
 """
 from __future__ import annotations
 
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -194,6 +196,25 @@ class Client:
 
     def status(self) -> pb.ClusterStatus:
         return self.stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=60, metadata=self.metadata)
+
+    def shutdown(self, timeout_s: float = 60.0) -> pb.ShutdownResponse:
+        """Stop the router's pdserve cluster (its workers, then the router; never Ray)."""
+        return self.stub.Shutdown(pb.ShutdownRequest(), timeout=timeout_s, metadata=self.metadata)
+
+
+def router_accepts(host: str, port: int, attempts: int = 3) -> bool:
+    """False once the router's gRPC port refuses ``attempts`` TCP connections in a row. A
+    connect, not a gRPC health check: it needs neither the router's CA nor, under mutual TLS,
+    a client certificate, and it is no Ray call, so the dashboard's task table stays quiet. A
+    busy router is slow, not gone: each connect waits up to 10 s."""
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    for _ in range(attempts):
+        try:
+            with socket.create_connection((host, port), timeout=10):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
 
 
 def add_connection_arguments(parser) -> None:

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from pdserve.workers.names import NAMESPACE, ROUTER_NAME, actor_name
 
+from .actors import kill_actors, pdserve_actor_names
+
 from .router import RouterConfig
 
 log = logging.getLogger("pdserve.launch")
@@ -497,20 +499,6 @@ def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,
 
 
 def shutdown_all(namespace: str = NAMESPACE) -> list[str]:
-    """Kill every pdserve actor in ``namespace`` (and nothing else). Returns their names.
-    Uses the GCS's named-actor list, so it needs no dashboard."""
-    import ray
-
-    killed = []
-    names = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                   if e["namespace"] == namespace and e["name"].startswith("pdserve-"))
-    # The router last: a `pdserve launch` in the foreground leaves (and stops the Ray cluster it
-    # started) once its router is gone, so everything else must be done by then.
-    names.sort(key=lambda n: n == ROUTER_NAME)
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace))
-            killed.append(name)
-        except ValueError:  # gone meanwhile
-            pass
-    return killed
+    """Kill every pdserve actor in ``namespace`` (and nothing else), the router last. Returns
+    their names."""
+    return kill_actors(pdserve_actor_names(namespace), namespace)

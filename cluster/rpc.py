@@ -1,5 +1,6 @@
-"""The generated gRPC stubs for proto/pdserve/v1/router.proto, and the proto -> policies
-conversions the router needs (``spec_from_proto``).
+"""The generated gRPC stubs for proto/pdserve/v1/router.proto (``router_pb2``,
+``router_pb2_grpc``), shared by the gRPC front door (``cluster/front/grpc``) and the clients
+(``cluster/client.py``, ``pdserve top``, ``bench serve``).
 
 Where the stubs come from (generation itself is pdserve.proto.stubs):
 - $PDSERVE_STUB_DIR set: generated into that folder and loaded from there.
@@ -28,14 +29,6 @@ from pdserve.proto.stubs import (
     ensure_stubs,
     is_source_checkout,
     stubs_are_current,
-)
-
-from .validation import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_PRIORITY,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    GenerateSpec,
 )
 
 STUB_PACKAGE = "pdserve.proto.pdserve.v1"
@@ -99,32 +92,6 @@ def _load_stubs() -> tuple[ModuleType, ModuleType]:
 router_pb2, router_pb2_grpc = _load_stubs()
 
 
-# ---- conversions --------------------------------------------------------------------------------
-
-def spec_from_proto(request: router_pb2.GenerateRequest) -> GenerateSpec:  # type: ignore[name-defined]
-    """Plain values with the API defaults for unset optional fields; validate the result with
-    validation.validate_generate_spec."""
-    sampling = request.sampling
-    prompt = request.WhichOneof("prompt")
-    return GenerateSpec(
-        request_id=request.request_id if request.HasField("request_id") else None,
-        text=request.text if prompt == "text" else None,
-        token_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
-        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=sampling.temperature if sampling.HasField("temperature") else DEFAULT_TEMPERATURE,
-        top_p=sampling.top_p if sampling.HasField("top_p") else DEFAULT_TOP_P,
-        top_k=sampling.top_k,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop_token_ids=tuple(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        stop=tuple(sampling.stop),
-        priority=request.priority if request.HasField("priority") else DEFAULT_PRIORITY,
-        agent_hierarchy=tuple((level.agent_type, level.node_id) for level in request.agent_hierarchy),
-        disaggregation=int(request.disaggregation),
-        deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
-    )
-
-
 __all__ = [
     "PROTO_FILE",
     "PROTO_REL",
@@ -134,6 +101,5 @@ __all__ = [
     "ensure_stubs",
     "router_pb2",
     "router_pb2_grpc",
-    "spec_from_proto",
     "stubs_are_current",
 ]

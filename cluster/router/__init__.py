@@ -1,17 +1,23 @@
-"""The gRPC router, split by concern:
+"""The router core, split by concern. It knows no protocol (no grpc, no aiohttp): the front
+doors in ``cluster/front/`` adapt it.
 
-- ``core.py``: ``Router``: admission, the queue, responses, cancellation, health;
+- ``core.py``: ``Router``: admission, results, aborts, cluster status, health;
+- ``queue.py``: ``RequestQueue``: the bounded waiting list, the requests held, in-flight slots;
 - ``dispatch.py``: ``Dispatcher``: the dispatch loop and each request's attempts (the
   context_first flow, retries) over the workers' request channels;
 - ``registry.py``: ``WorkerRegistry``: worker infos, channels, loads from heartbeats, liveness,
   restarts and events;
 - ``request_state.py``: ``RouterRequest``, the typed state machine of one request (``Phase``);
-- ``servicer.py``: the gRPC service (Generate, Abort, GetClusterStatus), health, reflection;
-- ``security.py``: the API-key interceptor and TLS credentials of the gRPC door;
-- ``config.py``: ``RouterConfig`` and the errors.
+- ``counters.py``: ``RouterCounters``: the totals and the metrics recorded with them;
+- ``outputs.py``: what the doors get: ``RouterOutput``, ``ClusterSnapshot``, ``LiveCounters``;
+- ``errors.py``: ``RouterError`` and its ``RouterErrorKind``, and the attempt failures;
+- ``config.py``: ``RouterConfig``.
 """
-from .config import RouterConfig, RouterError
+from .config import RouterConfig
 from .core import Router
+from .errors import RouterError, RouterErrorKind
+from .outputs import ClusterSnapshot, LiveCounters, RequestTimings, RequestUsage, RouterOutput
 from .request_state import Phase, RouterRequest
 
-__all__ = ["Phase", "Router", "RouterConfig", "RouterError", "RouterRequest"]
+__all__ = ["ClusterSnapshot", "LiveCounters", "Phase", "RequestTimings", "RequestUsage", "Router",
+           "RouterConfig", "RouterError", "RouterErrorKind", "RouterOutput", "RouterRequest"]

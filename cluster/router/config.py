@@ -1,10 +1,8 @@
-"""The router's configuration and the errors its request path raises."""
+"""The router's configuration: the core's settings and the front doors' (ports, keys, TLS), one
+record so that `pdserve launch`, YAML and the router actor pass one thing around."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import grpc
 
 from pdserve.cluster.auth import TlsFiles, check_key
 from pdserve.cluster.policies import routing_mode
@@ -40,7 +38,7 @@ class RouterConfig:
     agent_percentage: float | None = None  # agent tree off unless agent types are given
     agent_types: tuple[str, ...] = ()
     agent_inflight_seq_num: int | None = None
-    # OpenAI-compatible HTTP on the same router (cluster/http_server.py); None: off.
+    # OpenAI-compatible HTTP on the same router (cluster/front/openai/server.py); None: off.
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # default: the model directory's name
@@ -80,46 +78,3 @@ class RouterConfig:
 
     def tls_files(self) -> TlsFiles | None:
         return TlsFiles.from_options(self.tls_cert, self.tls_key, self.tls_client_ca)
-
-
-class WorkerFailure(RuntimeError):
-    """A worker attempt failed (its channel closed, it went silent, or the transfer failed):
-    the request may be retried on other workers."""
-
-
-class TransferFailed(WorkerFailure):
-    """The generation worker is alive but the request's KV did not arrive: a fallback (local
-    prefill, or another context worker), which does not use up max_retries."""
-
-
-class RequestRejected(ValueError):
-    """A worker refused the request itself (validation); retrying elsewhere cannot help."""
-
-
-class DeadlineExceeded(RuntimeError):
-    """A worker ended the attempt at the request's deadline."""
-
-
-class StopStringReached(Exception):
-    """Raised out of ``emit`` when the text hit a stop string: the request is complete and its
-    attempts were aborted; the attempt loop ends quietly."""
-
-
-class Failure(NamedTuple):
-    """Put on a request's output queue: the front door ends the call with this status."""
-
-    code: grpc.StatusCode
-    message: str
-
-
-class RouterError(Exception):
-    """A request refused at admission or ended by an error: a gRPC status code and a message
-    (the HTTP front door maps the code to an HTTP status). For an error in one request field,
-    ``field`` names it and ``detail`` is what is wrong with it; ``message`` is then
-    "<field>: <detail>", gRPC's form."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None,
-                 detail: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.field = code, message, field
-        self.detail = detail if detail is not None else message

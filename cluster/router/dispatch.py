@@ -2,7 +2,7 @@
 policy's order (within max_inflight), and one attempt loop per request carries out the
 context_first flow over the workers' request channels.
 
-Flow per request (DESIGN.md "Request lifecycle"): a context-only copy (max_tokens 1) goes to a
+Flow per request (docs/design.md section 3): a context-only copy (max_tokens 1) goes to a
 context worker; its CONTEXT_DONE update carries the first token and the context-phase params;
 the first token is streamed at once; a generation-only request with those params goes to a
 generation worker, which reserves KV, receives it and decodes. Short uncached prompts skip the
@@ -19,17 +19,20 @@ A failed KV transfer (the generation worker is alive, its KV did not arrive) is 
 death: the request falls back (``policies.plan_transfer_fallback``: local prefill on that
 generation worker, or another context worker for it) without using up max_retries, which are
 for dead or silent workers; each fallback is counted (``Timings.fallbacks``, metrics).
+
+The dispatcher sees the router through a narrow interface: the ``RequestQueue`` it drains, the
+``RouterCounters`` it counts in, the ``WorkerRegistry`` and the routing policies, and a
+``Responder`` (``emit``, ``fail``) that takes each request's outputs. It knows no front door.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
-
-import grpc
+from typing import Any, NamedTuple, Protocol
 
 from pdserve.cluster import policies as P
 from pdserve.cluster import validation as V
@@ -37,17 +40,26 @@ from pdserve.cluster.worker_channel import CLOSED, ChannelClosed
 from pdserve.scheduler import LlmRequestType
 from pdserve.transport.requests import (
     ErrorKind,
+    UpdateInfo,
     UpdateKind,
     WireRequest,
     WireSampling,
     WireUpdate,
 )
 
-from .config import DeadlineExceeded, RequestRejected, StopStringReached, TransferFailed, WorkerFailure
+from .config import RouterConfig
+from .counters import RouterCounters
+from .errors import (
+    DeadlineExceeded,
+    RequestRejected,
+    RouterErrorKind,
+    StopStringReached,
+    TransferFailed,
+    WorkerFailure,
+)
+from .queue import RequestQueue
+from .registry import WorkerRegistry
 from .request_state import Phase, RouterRequest
-
-if TYPE_CHECKING:
-    from .core import Router
 
 log = logging.getLogger("pdserve.router")
 
@@ -55,12 +67,39 @@ WORKER_DEADLINE_GRACE_S = 0.5  # a worker's deadline for an attempt trails the r
 MAX_TRANSFER_FALLBACKS = 4  # failed transfers one request may fall back from (then: give up)
 
 
+class Responder(Protocol):
+    """Where a request's outputs go (the router core; the front doors read them from there)."""
+
+    async def emit(self, req: RouterRequest, tokens: list[int], finish_reason: str | None,
+                   info: UpdateInfo | None) -> None: ...
+
+    async def fail(self, req: RouterRequest, kind: RouterErrorKind, message: str) -> None: ...
+
+
+class Routing(NamedTuple):
+    """The routing mode's policies (``policies.make_policy``)."""
+
+    context: Any
+    generation: Any
+
+
 class Dispatcher:
-    def __init__(self, router: "Router") -> None:
-        self.router = router
-        self.registry = router.registry
-        self.config = router.config
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, queue: RequestQueue,
+                 counters: RouterCounters, responder: Responder, routing: Routing,
+                 limits: V.ValidationLimits, tokens_per_block: int) -> None:
+        self.config = config
+        self.registry = registry
+        self.queue = queue
+        self.counters = counters
+        self.responder = responder
+        self.routing = routing
+        self.limits = limits
+        self.tokens_per_block = tokens_per_block
         self.wake = asyncio.Event()
+        # The request id each worker attempt carries. Workers outlive a router: a restarted
+        # router's ids must not meet the old one's (a late abort leaves a tombstone for its id,
+        # a lease keeps its id), so they start at this incarnation's microsecond clock.
+        self.attempt_ids = itertools.count(time.time_ns() // 1000)
 
     # ------------------------------------------------------------------ the queue
 
@@ -74,34 +113,23 @@ class Dispatcher:
         """Start as many waiting requests as max_inflight allows, in the reorder policy's order.
         Runs inline when a request arrives (no extra event-loop hop on an idle router) and from
         the loop when a request ends."""
-        r = self.router
-        while r.waiting and r.inflight < r.max_inflight:
-            order = r.reorder.reorder(r.waiting) if r.reorder is not None else r.waiting
-            if not order:
-                break
-            entry = order[0]
-            r.waiting.remove(entry)
-            req = r.requests.get(entry.request_id)
-            if req is None or req.cancelled:
-                continue
-            r.inflight += 1
+        queue = self.queue
+        for req in queue.take_ready():
             req.dispatched = time.monotonic()
-            if r.metrics is not None:
-                r.metrics.observe_queue_time(req.dispatched - req.received)
-            r.dispatch_log.append(req.external_id)
+            self.counters.observe_queue_time(req.dispatched - req.received)
             req.task = asyncio.create_task(self.run(req))
             # Not in run's finally: a task cancelled before it first runs never enters it.
             req.task.add_done_callback(self._run_done)
-        r.observe_queue()
+        self.counters.observe_queue(len(queue), queue.inflight)
 
     def _run_done(self, task: asyncio.Task) -> None:
-        self.router.inflight -= 1
+        self.queue.release()
         self.wake.set()
 
     # ------------------------------------------------------------------ one request
 
     async def run(self, req: RouterRequest) -> None:
-        r = self.router
+        routing, counters, responder = self.routing, self.counters, self.responder
         # Pairs whose attempt failed (retries), each with the workers' incarnations then: a
         # failure is of one process, and a worker Ray restarted may be tried again.
         failed: dict[tuple[str | None, str], tuple[int | None, int | None]] = {}
@@ -115,20 +143,20 @@ class Dispatcher:
                     del failed[pair]
             return P.plan_retry(failed, list(self.registry.loads.values()), prompt_info,
                                 retries_used=req.retries, max_retries=self.config.max_retries,
-                                context_policy=r.context_policy,
-                                generation_policy=r.generation_policy,
+                                context_policy=routing.context,
+                                generation_policy=routing.generation,
                                 mode=P.DisaggregationMode(req.spec.disaggregation),
                                 unready=self.registry.unready_pairs())
 
         try:
-            blank = P.PromptInfo.from_tokens(req.prompt, r.tokens_per_block)
+            blank = P.PromptInfo.from_tokens(req.prompt, self.tokens_per_block)
             prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
             plan = self._first_plan(req, prompt_info)
             while True:
                 if plan.action == P.RetryAction.GIVE_UP and plan.worker_may_return:
                     if wait_until is None:
                         wait_until = time.monotonic() + self.config.worker_wait_s
-                        r.totals["worker_waits"] += 1
+                        counters.count("worker_waits")
                     if await self._wait_for_worker(req, plan.reason, wait_until):
                         prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
                         if failed or transfer_failed:
@@ -136,12 +164,12 @@ class Dispatcher:
                             transfer_failed.clear()
                             plan = retry_plan()
                             if plan.action != P.RetryAction.GIVE_UP:
-                                self._count_retry(req)
+                                counters.count_retry(req)
                         else:
                             plan = self._first_plan(req, prompt_info)
                         continue
                 if plan.action == P.RetryAction.GIVE_UP:
-                    await r.fail(req, grpc.StatusCode.UNAVAILABLE,
+                    await responder.fail(req, RouterErrorKind.UNAVAILABLE,
                                  f"no worker could serve the request: {plan.reason}{last_error}")
                     return
                 try:
@@ -163,14 +191,14 @@ class Dispatcher:
                     prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
                     plan = (P.plan_transfer_fallback(
                         transfer_failed, plan.gen_worker, list(self.registry.loads.values()),
-                        prompt_info, context_policy=r.context_policy,
+                        prompt_info, context_policy=routing.context,
                         mode=P.DisaggregationMode(req.spec.disaggregation),
                         unready=self.registry.unready_pairs())
                         if len(transfer_failed) <= MAX_TRANSFER_FALLBACKS else
                         P.RetryPlan(P.RetryAction.GIVE_UP, None, None,
                                     f"{MAX_TRANSFER_FALLBACKS} KV transfers failed"))
                     if plan.action != P.RetryAction.GIVE_UP:
-                        r.count_fallback(req, local=plan.action == P.RetryAction.LOCAL_PREFILL)
+                        counters.count_fallback(req, local=plan.action == P.RetryAction.LOCAL_PREFILL)
                 except WorkerFailure as exc:
                     if req.cancelled or time.monotonic() >= req.deadline:
                         return  # Generate answers DEADLINE_EXCEEDED; no retry past the deadline
@@ -182,24 +210,24 @@ class Dispatcher:
                     prompt_info = blank.with_matches(self.registry.prefix_matches(blank))
                     plan = retry_plan()
                     if plan.action != P.RetryAction.GIVE_UP:
-                        self._count_retry(req)
+                        counters.count_retry(req)
         except asyncio.CancelledError:
             raise
         except StopStringReached:
             return
         except RequestRejected as exc:
-            await r.fail(req, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await responder.fail(req, RouterErrorKind.INVALID_ARGUMENT, str(exc))
         except DeadlineExceeded:
-            await r.fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
+            await responder.fail(req, RouterErrorKind.DEADLINE_EXCEEDED,
                          f"request {req.external_id!r} did not finish within its deadline")
         except Exception as exc:  # a router bug must not leave the client waiting
             log.exception("request %s failed in the router", req.external_id)
-            await r.fail(req, grpc.StatusCode.INTERNAL, f"router error: {exc!r}")
+            await responder.fail(req, RouterErrorKind.INTERNAL, f"router error: {exc!r}")
 
     def _first_plan(self, req: RouterRequest, prompt_info: P.PromptInfo) -> P.RetryPlan:
-        r = self.router
+        routing = self.routing
         loads = list(self.registry.loads.values())
-        gen = r.generation_policy.select(loads, prompt_info)
+        gen = routing.generation.select(loads, prompt_info)
         if gen is None:
             return P.RetryPlan(P.RetryAction.GIVE_UP, None, None, "no healthy generation worker",
                                worker_may_return=bool(self.registry.gen_ids))
@@ -207,18 +235,18 @@ class Dispatcher:
         if self.registry.ctx_ids:
             # Only over a KV pair that is set up: a transfer never waits for a rendezvous.
             unready = self.registry.unready_pairs()
-            ctx = r.context_policy.select(
+            ctx = routing.context.select(
                 loads, prompt_info, exclude={c for c, g in unready if g == gen.worker_id})
             if ctx is None and req.spec.disaggregation == P.DisaggregationMode.ALWAYS:
-                for other in r.generation_policy.rank(loads, prompt_info, exclude={gen.worker_id}):
-                    ctx = r.context_policy.select(
+                for other in routing.generation.rank(loads, prompt_info, exclude={gen.worker_id}):
+                    ctx = routing.context.select(
                         loads, prompt_info,
                         exclude={c for c, g in unready if g == other.worker_id})
                     if ctx is not None:
                         gen = other
                         break
                 else:  # no pair is set up: this one's transfer waits for its set-up
-                    ctx = r.context_policy.select(loads, prompt_info)
+                    ctx = routing.context.select(loads, prompt_info)
         try:
             decision = P.decide_prefill(P.DisaggregationMode(req.spec.disaggregation), len(req.prompt),
                                         gen.matched_tokens, self.config.max_local_prefill_length,
@@ -244,19 +272,12 @@ class Dispatcher:
         log.info("request %s waits up to %.1f s for a worker: %s", req.external_id, left, why)
         return await self.registry.wait_for_healthy(left)
 
-    def _count_retry(self, req: RouterRequest) -> None:
-        req.retries += 1
-        self.router.totals["retries"] += 1
-        if self.router.metrics is not None:
-            self.router.metrics.count_retries()
-
     async def _remote(self, req: RouterRequest, ctx_id: str, gen_id: str) -> None:
-        r = self.router
         req.start_remote(ctx_id, gen_id)
         self.registry.note_dispatch(ctx_id, len(req.prompt))
         self.registry.note_dispatch(gen_id, 0)
-        r.count_prefill(local=False)
-        prompt, max_tokens, forced = req.continuation(r.limits.max_input_len)
+        self.counters.count_prefill(local=False)
+        prompt, max_tokens, forced = req.continuation(self.limits.max_input_len)
         # A 1-token request ends on the context worker; no generation worker will claim KV.
         kind = LlmRequestType.CONTEXT_ONLY if max_tokens > 1 else LlmRequestType.CONTEXT_AND_GENERATION
         ctx_wire = self._wire(req, prompt, 1, kind, forced[:1])
@@ -296,7 +317,7 @@ class Dispatcher:
         if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
             # Ended on the context worker (a stop token, or it was all the client asked for).
             await self._drop(gen_task, gen_id, gen_wire)
-            await r.emit(req, first, last.finish_reason or "length", last.info)
+            await self.responder.emit(req, first, last.finish_reason or "length", last.info)
             return
         # The context attempt's KV stays leased until the generation side has it: an attempt
         # that ends any other way (failure, cancel, a stop string in the first token) gives
@@ -305,7 +326,7 @@ class Dispatcher:
         req.attempts.append(leased)
         done = False
         try:
-            await r.emit(req, first, None, last.info)
+            await self.responder.emit(req, first, None, last.info)
             req.move(Phase.TRANSFER)
             if gen_task is None:
                 gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY,
@@ -337,11 +358,10 @@ class Dispatcher:
             self.registry.abort_attempt(gen_id, wire.request_id)  # harmless if already gone
 
     async def _local(self, req: RouterRequest, gen_id: str) -> None:
-        r = self.router
         req.start_local(gen_id)
         self.registry.note_dispatch(gen_id, len(req.prompt))
-        r.count_prefill(local=True)
-        prompt, max_tokens, forced = req.continuation(r.limits.max_input_len)
+        self.counters.count_prefill(local=True)
+        prompt, max_tokens, forced = req.continuation(self.limits.max_input_len)
         await self._decode(req, gen_id, self._wire(req, prompt, max_tokens,
                                                    LlmRequestType.CONTEXT_AND_GENERATION, forced))
 
@@ -362,7 +382,7 @@ class Dispatcher:
                     req.move(Phase.DECODE)
                 if update.finished and req.local_prefill and update.info is not None:
                     req.reused_tokens = update.info.cached_tokens
-                await self.router.emit(req, update.new_token_ids, update.finish_reason, update.info)
+                await self.responder.emit(req, update.new_token_ids, update.finish_reason, update.info)
         self._check_final(last, f"generation worker {gen_id}", req)
 
     @staticmethod
@@ -386,7 +406,7 @@ class Dispatcher:
     def _wire(self, req: RouterRequest, prompt: list[int], max_tokens: int, kind: LlmRequestType,
               forced: list[int], params=None) -> WireRequest:
         return WireRequest(
-            next(self.router.attempt_ids), req.external_id, prompt, max_tokens, req.spec.priority,
+            next(self.attempt_ids), req.external_id, prompt, max_tokens, req.spec.priority,
             kind, list(req.spec.agent_hierarchy) or None, params,
             WireSampling(**{**req.sampling, "max_tokens": max_tokens}),
             # The worker's own deadline for the attempt: it frees everything once it passes.

@@ -26,7 +26,8 @@ from pdserve.cluster.worker_channel import ChannelClosed, WorkerChannel
 from pdserve.scheduler.kv_events import BlocksRemoved, BlocksStored
 from pdserve.transport.requests import KvEvents, KvSnapshot, WorkerEvent, WorkerInfo, WorkerStatus
 
-from .config import RouterConfig, WorkerFailure
+from .config import RouterConfig
+from .errors import WorkerFailure
 
 log = logging.getLogger("pdserve.router")
 

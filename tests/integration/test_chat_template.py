@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.cluster.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.cluster.front.openai.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.workers.tiny_model import make_tiny_model
 
 # A template in the style many models ship: a default system prompt, loop controls, tojson,

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from pdserve.cluster import rpc
+from pdserve.cluster.front.grpc.convert import spec_from_proto
 from pdserve.cluster.validation import ValidationError, ValidationLimits, validate_generate_spec
 
 pb, pb_grpc = rpc.router_pb2, rpc.router_pb2_grpc
@@ -30,7 +31,7 @@ class FakeRouter(pb_grpc.RouterServicer):
         self.seen: list[str] = []
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
-        spec = rpc.spec_from_proto(request)
+        spec = spec_from_proto(request)
         try:
             validate_generate_spec(spec, LIMITS)
         except ValidationError as error:

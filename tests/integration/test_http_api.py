@@ -24,7 +24,7 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 
 import cluster_util as U  # noqa: E402
-from pdserve.cluster.chat_template import ChatTemplate  # noqa: E402
+from pdserve.cluster.front.openai.chat_template import ChatTemplate  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 from pdserve.workers.loader import load_tokenizer  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.openai_api import (
+from pdserve.cluster.front.openai.api import (
     CHAT,
     COMPLETIONS,
     ApiError,

@@ -17,7 +17,7 @@ PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
               ROOT / "transport" / "requests", ROOT / "transport" / "kv_link.py",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
               ROOT / "cluster" / "prefix_index.py",
-              ROOT / "cluster" / "openai_api.py", ROOT / "cluster" / "text_stream.py",
+              ROOT / "cluster" / "front" / "openai" / "api.py", ROOT / "cluster" / "text_stream.py",
               ROOT / "cluster" / "auth.py",
               ROOT / "proto" / "stubs.py"]
 
@@ -56,7 +56,7 @@ def test_pure_module_imports_nothing_heavy(path: Path):
 def test_importing_the_scheduler_loads_no_heavy_module():
     code = (
         "import sys, pdserve.scheduler, pdserve.scheduler.sim_worker\n"
-        "import pdserve.transport.requests, pdserve.cluster.openai_api, pdserve.cluster.text_stream\n"
+        "import pdserve.transport.requests, pdserve.cluster.front.openai.api, pdserve.cluster.text_stream\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch','ray','grpc','numpy'})\n"
         "print(','.join(heavy))\n"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster import rpc
+from pdserve.cluster.front.grpc.convert import spec_from_proto
 from pdserve.cluster.policies import DisaggregationMode, WorkerRole
 from pdserve.cluster.validation import ValidationError, ValidationLimits, validate_generate_spec
 
@@ -43,10 +44,11 @@ def test_descriptor_has_canonical_names():
     service = pb.DESCRIPTOR.services_by_name["Router"]
     assert service.full_name == rpc.ROUTER_SERVICE_NAME
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "GetClusterStatus"}
+    assert set(methods) == {"Generate", "Abort", "GetClusterStatus", "Shutdown"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
     assert not methods["Abort"].server_streaming
     assert methods["GetClusterStatus"].output_type.name == "ClusterStatus"
+    assert methods["Shutdown"].output_type.name == "ShutdownResponse"
 
 
 def test_concurrent_processes_generate_once(tmp_path):
@@ -137,7 +139,7 @@ def test_generate_request_round_trips():
     assert back == req
     assert back.WhichOneof("prompt") == "token_ids"
     assert list(back.token_ids.ids) == [1, 2, 3, 4_000_000_000]
-    spec = rpc.spec_from_proto(back)
+    spec = spec_from_proto(back)
     assert spec.request_id == "req-7" and spec.text is None
     assert spec.token_ids == (1, 2, 3, 4_000_000_000)
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k) == (12, 0.0, pytest.approx(0.9), 40)
@@ -154,7 +156,7 @@ def test_unset_optional_fields_get_the_api_defaults():
         assert not back.HasField(name)
     for name in ("max_tokens", "temperature", "top_p", "seed"):
         assert not back.sampling.HasField(name)
-    spec = rpc.spec_from_proto(back)
+    spec = spec_from_proto(back)
     assert (spec.request_id, spec.text, spec.token_ids) == (None, "hello", None)
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed) == (16, 1.0, 1.0, None)
     assert (spec.priority, spec.deadline_ms, spec.disaggregation) == (0.5, None, DisaggregationMode.AUTO)
@@ -167,11 +169,11 @@ def test_explicit_zero_values_keep_their_presence():
     back = pb.GenerateRequest.FromString(req.SerializeToString())
     assert back.HasField("request_id") and back.HasField("priority") and back.HasField("deadline_ms")
     assert all(back.sampling.HasField(n) for n in ("max_tokens", "temperature", "top_p", "seed"))
-    spec = rpc.spec_from_proto(back)
+    spec = spec_from_proto(back)
     assert (spec.request_id, spec.priority, spec.deadline_ms) == ("", 0.0, 0)
     assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed) == (0, 0.0, 0.0, 0)
     back.ClearField("priority")
-    assert not back.HasField("priority") and rpc.spec_from_proto(back).priority == 0.5
+    assert not back.HasField("priority") and spec_from_proto(back).priority == 0.5
 
 
 def test_prompt_is_a_oneof():
@@ -180,7 +182,7 @@ def test_prompt_is_a_oneof():
     assert req.WhichOneof("prompt") == "token_ids" and not req.HasField("text")
     assert pb.GenerateRequest().WhichOneof("prompt") is None
     with pytest.raises(ValidationError) as info:
-        validate_generate_spec(rpc.spec_from_proto(pb.GenerateRequest()))
+        validate_generate_spec(spec_from_proto(pb.GenerateRequest()))
     assert info.value.field == "prompt"
 
 
@@ -206,7 +208,7 @@ def test_prompt_is_a_oneof():
     ],
 )
 def test_malformed_proto_requests_name_the_field(request_, field):
-    spec = rpc.spec_from_proto(pb.GenerateRequest.FromString(request_.SerializeToString()))
+    spec = spec_from_proto(pb.GenerateRequest.FromString(request_.SerializeToString()))
     with pytest.raises(ValidationError) as info:
         validate_generate_spec(spec, ValidationLimits(vocab_size=50))
     assert info.value.field == field

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP front door (aiohttp), served on the router's own event loop.
 
-It is a second door into the same router as gRPC: requests become the same GenerateSpec and go
-through Router.admit / Router.results, so validation, the bounded queue, agent-tree order,
+It is a second door into the same router core as gRPC, over the same narrow interface
+(``FrontDoorApi``): requests become the same GenerateSpec and go through ``admit`` /
+``results``, so validation, the bounded queue, agent-tree order,
 priorities, deadlines, conditional disaggregation, retries and metrics are one code path.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent
 events with ``stream``), GET /health, GET /metrics. Errors are OpenAI error objects; the status
-comes from the router's gRPC code (see STATUS_FOR). A streamed request waits for its first
+comes from the router's error kind (see STATUS_FOR). A streamed request waits for its first
 result before sending headers, so an error before the first token still gets its status; an
 error after it arrives as an ``{"error": ...}`` event, then ``data: [DONE]``. A client that
 disconnects cancels its request (handler cancellation), as a gRPC cancel does.
@@ -25,16 +26,16 @@ import logging
 import time
 from typing import Any
 
-import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.cluster.auth import UNAUTHENTICATED_MESSAGE, KeyRing
-from pdserve.cluster.chat_template import ChatTemplate, ChatTemplateError
-from pdserve.cluster.router import RouterError
+from pdserve.cluster.router import RouterConfig, RouterError, RouterErrorKind
+from pdserve.cluster.router.api import FrontDoorApi
 from pdserve.cluster.validation import ValidationError
-from pdserve.cluster.openai_api import (
+
+from .api import (
     CHAT,
     COMPLETIONS,
     ApiError,
@@ -48,16 +49,17 @@ from pdserve.cluster.openai_api import (
     response_id,
     usage_chunk_json,
 )
+from .chat_template import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("pdserve.http")
 
-# gRPC status of a RouterError -> (HTTP status, OpenAI error type, code)
-STATUS_FOR: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "duplicate_request_id"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", None),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
+# A RouterError's kind -> (HTTP status, OpenAI error type, code); anything else is a 500.
+STATUS_FOR: dict[RouterErrorKind, tuple[int, str, str | None]] = {
+    RouterErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    RouterErrorKind.ALREADY_EXISTS: (409, "invalid_request_error", "duplicate_request_id"),
+    RouterErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    RouterErrorKind.UNAVAILABLE: (503, "service_unavailable", None),
+    RouterErrorKind.DEADLINE_EXCEEDED: (504, "timeout", "deadline_exceeded"),
 }
 STOP_GRACE_S = 2.0
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -83,21 +85,24 @@ def error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.
 
 
 class OpenAIServer:
-    def __init__(self, router, model_id: str, chat_template: ChatTemplate | None) -> None:
-        self.router = router
+    def __init__(self, api: FrontDoorApi, config: RouterConfig, keys: KeyRing, model_id: str,
+                 chat_template: ChatTemplate | None) -> None:
+        self.api = api
+        self.config = config
+        self.keys = keys
         self.model_id = model_id
         self.chat_template = chat_template
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_RouterCollector(router))
+        self.registry.register(_RouterCollector(api))
 
     async def start(self, host: str, port: int) -> int:
         middlewares = [_errors_as_openai_objects]
-        if self.router.keys.enabled:  # outermost: a request without a key learns nothing more
-            middlewares.insert(0, _api_keys(self.router.keys))
-        tls = self.router.config.tls_files()
-        app = web.Application(client_max_size=self.router.config.max_message_bytes,
+        if self.keys.enabled:  # outermost: a request without a key learns nothing more
+            middlewares.insert(0, _api_keys(self.keys))
+        tls = self.config.tls_files()
+        app = web.Application(client_max_size=self.config.max_message_bytes,
                               middlewares=middlewares)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
@@ -136,7 +141,7 @@ class OpenAIServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """The gRPC health's verdict: 503 while NOT_SERVING or shutting down."""
-        if self.router.serving and self.router.accepting:
+        if self.api.serving and self.api.accepting:
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable"}, status=503)
 
@@ -162,7 +167,7 @@ class OpenAIServer:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
-        async with contextlib.aclosing(self.router.results(req)) as results:
+        async with contextlib.aclosing(self.api.results(req)) as results:
             try:
                 first = await anext(results)  # before any header: an early error keeps its status
             except RouterError as exc:
@@ -219,24 +224,24 @@ class OpenAIServer:
         except ChatTemplateError as exc:
             raise invalid("messages", f"the chat template refused them: {exc}") from exc
         try:
-            ids = await self.router.tokenize(text, "messages")
+            ids = await self.api.tokenize(text, "messages")
         except ValidationError as exc:
             raise invalid(exc.field, exc.message) from None
         if not parsed.max_tokens_given:
-            limits = self.router.limits
+            limits = self.api.limits
             room = (limits.max_seq_len or len(ids) + limits.max_tokens_limit) - len(ids)
             spec = dataclasses.replace(spec, max_tokens=max(1, min(room, limits.max_tokens_limit)))
         return dataclasses.replace(spec, token_ids=tuple(ids))
 
     async def _admit(self, spec, kind: str):
         try:
-            return await self.router.admit(spec)
+            return await self.api.admit(spec)
         except RouterError as exc:
             raise self._api_error(exc, kind) from None
 
     @staticmethod
     def _api_error(exc, kind: str) -> ApiError:
-        status, type_, code = STATUS_FOR.get(exc.code, (500, "server_error", None))
+        status, type_, code = STATUS_FOR.get(exc.kind, (500, "server_error", None))
         if exc.field:
             return field_error(exc.field, exc.detail, kind, status=status, type_=type_, code=code)
         return ApiError(status, exc.message, type_=type_, code=code)
@@ -295,11 +300,11 @@ class _RouterCollector:
     """The router's own live counters in Prometheus' text format (the workers' metrics and the
     router's latency histograms are on Ray's metrics endpoint as ray_pdserve_*)."""
 
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(self, api: FrontDoorApi) -> None:
+        self.api = api
 
     def collect(self):
-        r = self.router
+        r = self.api.live_counters()
         requests = CounterMetricFamily("pdserve_router_requests", "Requests by outcome since the router started.",
                                        labels=["outcome"])
         for outcome in ("received", "completed", "failed", "aborted", "rejected"):
@@ -311,11 +316,11 @@ class _RouterCollector:
         prefills.add_metric(["remote"], r.totals["remote_prefills"])
         prefills.add_metric(["local"], r.totals["local_prefills"])
         yield prefills
-        yield GaugeMetricFamily("pdserve_router_queue_depth", "Requests waiting for dispatch.", value=len(r.waiting))
-        yield GaugeMetricFamily("pdserve_router_in_flight", "Requests dispatched and not finished.", value=r.inflight)
+        yield GaugeMetricFamily("pdserve_router_queue_depth", "Requests waiting for dispatch.", value=r.queue_depth)
+        yield GaugeMetricFamily("pdserve_router_in_flight", "Requests dispatched and not finished.", value=r.in_flight)
         yield GaugeMetricFamily("pdserve_router_serving", "1 while health is SERVING.", value=int(r.serving))
         healthy = GaugeMetricFamily("pdserve_worker_healthy", "1 while the router routes to the worker.",
                                     labels=["worker"])
-        for worker_id, load in sorted(r.registry.loads.items()):
-            healthy.add_metric([worker_id], int(load.healthy))
+        for worker_id, ok in sorted(r.workers_healthy.items()):
+            healthy.add_metric([worker_id], int(ok))
         yield healthy

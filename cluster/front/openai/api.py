@@ -16,8 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .policies import DisaggregationMode
-from .validation import (
+from pdserve.cluster.policies import DisaggregationMode
+from pdserve.cluster.validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PRIORITY,
     DEFAULT_TEMPERATURE,
