@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
             console.print("--keep-alive: the cluster stays up; Ctrl-C ends it. Try:\n"
                           f"  curl -s http://127.0.0.1:{cluster.http_port}/v1/completions "
                           "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'")
-            while True:
+            from pdserve.cluster.client import router_accepts
+
+            # `pdserve shutdown --port` stops this cluster's router: leave with it (and stop
+            # the Ray cluster this demo started), as `pdserve launch` does.
+            while router_accepts("127.0.0.1", cluster.port):
                 time.sleep(1)
     except KeyboardInterrupt:
         pass

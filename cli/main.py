@@ -17,7 +17,7 @@ commands:
   generate           send one request to a running router and stream the answer
   status             print the cluster status (per worker: requests, KV blocks, transfers, pauses)
   top                live view of a running cluster: KV, requests, tokens/s, transfers, pauses, events
-  shutdown           kill pdserve's own actors on a Ray cluster (never the cluster itself)
+  shutdown           stop a pdserve cluster by its router's port (never the Ray cluster itself)
   demo               the main job on an embedded cluster: a trace burst over gRPC, then a summary
   demo-scheduler     replay the Azure trace through the schedulers on a simulated worker
   make-tiny-model    write a small random Llama-family model (HF format) to a directory
@@ -224,14 +224,16 @@ def _launch(argv: list[str]) -> int:
 
         print(dashboard_guide(url if url.startswith("http") else f"http://{url}"), file=sys.stderr,
               flush=True)
+    from pdserve.cluster.client import router_accepts
+
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         while not stop["now"]:
             time.sleep(1.0)
-            # `pdserve shutdown` from elsewhere kills the router: leave with it. Asked over
-            # gRPC health, not a Ray call, so the dashboard's task table stays quiet.
-            if not _router_alive(cfg.router.host, cluster.port):
+            # `pdserve shutdown` from elsewhere stops the router: leave with it. Asked with a
+            # TCP connect, not a Ray call, so the dashboard's task table stays quiet.
+            if not router_accepts(cfg.router.host, cluster.port):
                 # ... after a moment, so the driver that killed it disconnects before this
                 # process stops the Ray cluster it started under that driver's feet.
                 time.sleep(SHUTDOWN_GRACE_S)
@@ -259,23 +261,6 @@ def _security_summary(router_cfg) -> dict:
             "mutual_tls": router_cfg.tls_client_ca is not None,
             "max_inflight_per_key": router_cfg.max_inflight_per_key,
             "warnings": _security_warnings(router_cfg)}
-
-
-def _router_alive(host: str, port: int, attempts: int = 3) -> bool:
-    """False once the router's gRPC port refuses ``attempts`` TCP connections in a row. A
-    connect, not a gRPC health check: it needs neither the router's CA nor, under mutual TLS,
-    a client certificate, and it is no Ray call, so the dashboard's task table stays quiet. A
-    busy router is slow, not gone: each connect waits up to 10 s."""
-    import socket
-
-    host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    for _ in range(attempts):
-        try:
-            with socket.create_connection((host, port), timeout=10):
-                return True
-        except OSError:
-            time.sleep(0.2)
-    return False
 
 
 def _dashboard_url() -> str | None:
@@ -388,33 +373,87 @@ def _top(argv: list[str]) -> int:
 
 
 def _shutdown(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve shutdown", description="Kill pdserve's actors only.")
-    parser.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
-    parser.add_argument("--port", type=int, default=None,
-                        help="only if pdserve's router there serves gRPC on this port (as the "
-                             "other subcommands take it); otherwise nothing is killed")
+    parser = argparse.ArgumentParser(
+        prog="pdserve shutdown",
+        description="Stop a pdserve cluster's actors (never the Ray cluster). With --port (and "
+                    "--host) alone, the router serving that port is asked to stop its own cluster, "
+                    "whichever Ray cluster it runs on; with --address, pdserve's actors on that Ray "
+                    "cluster are killed (only if its router serves --port, when given).")
+    parser.add_argument("--port", type=int, default=None, help="the router's gRPC port")
+    parser.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
+    parser.add_argument("--address", default=None,
+                        help="the Ray cluster (an address, or auto); default: ask the router at "
+                             "--port, or auto without --port")
+    parser.add_argument("--wait", type=float, default=60.0,
+                        help="seconds to wait for the router's port to close (default 60)")
+    _add_connection_arguments(parser)
     args = parser.parse_args(argv)
+    if args.address is None and args.port is not None:
+        return _shutdown_by_port(parser, args)
+    return _shutdown_on_ray(args.address or "auto", args.port)
+
+
+def _shutdown_by_port(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Ask the router at host:port to stop its cluster (gRPC Shutdown), then wait until its port
+    closes, so that a script can go on once this returns."""
+    import grpc
+
+    from pdserve.cluster import local_routers
+    from pdserve.cluster.client import router_accepts
+
+    where = f"{args.host}:{args.port}"
+    with _client(parser, args) as client:
+        try:
+            reply = client.shutdown()
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
+                              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                print(f"pdserve shutdown: --port {args.port}: no pdserve router answers at {where} "
+                      f"({exc.code().name}: {exc.details()}); nothing stopped.\n"
+                      f"{local_routers.describe(local_routers.list_routers())}", file=sys.stderr)
+                return 2
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    actors = list(reply.actors)
+    print(f"stopping {len(actors)} pdserve actor(s) of the cluster at {reply.ray_address}: "
+          f"{', '.join(actors)}", flush=True)
+    deadline = time.monotonic() + args.wait
+    while router_accepts(args.host, args.port, attempts=1):
+        if time.monotonic() > deadline:
+            print(f"pdserve shutdown: the router at {where} still accepts connections after "
+                  f"{args.wait:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    print(f"the router at {where} has stopped")
+    return 0
+
+
+def _shutdown_on_ray(address: str, port: int | None) -> int:
+    """Join the Ray cluster at ``address`` and kill pdserve's actors there; with ``port``, only
+    if its router serves that port."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from pdserve.cluster import local_routers
     from pdserve.cluster.launch import NAMESPACE, ROUTER_NAME, RayJoinError, join_ray, shutdown_all
 
     import ray
 
     try:
-        join_ray(args.address)
+        join_ray(address)
     except RayJoinError as exc:
         print(f"pdserve shutdown: {exc}", file=sys.stderr)
         return 2
-    if args.port is not None:
+    if port is not None:
         try:
-            port = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).port.remote(), timeout=30)
+            serves = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).port.remote(), timeout=30)
         except (ValueError, ray.exceptions.RayError) as exc:
-            print(f"pdserve shutdown: --port {args.port}: no pdserve router on the Ray cluster at "
-                  f"{args.address} ({exc})", file=sys.stderr)
-            ray.shutdown()
-            return 2
-        if port != args.port:
-            print(f"pdserve shutdown: --port {args.port}: the pdserve router on the Ray cluster at "
-                  f"{args.address} serves port {port}; nothing killed", file=sys.stderr)
+            serves = None
+            why = f"no pdserve router on the Ray cluster at {address} ({exc})"
+        else:
+            why = f"the pdserve router on the Ray cluster at {address} serves port {serves}"
+        if serves != port:
+            print(f"pdserve shutdown: --port {port}: {why}; nothing killed. Without --address, "
+                  f"`pdserve shutdown --port {port}` asks the router at that port itself.\n"
+                  f"{local_routers.describe(local_routers.list_routers())}", file=sys.stderr)
             ray.shutdown()
             return 2
     killed = shutdown_all()
