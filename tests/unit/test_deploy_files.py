@@ -166,13 +166,13 @@ def test_grafana_provisioning_loads_the_dashboard_folder():
     # An environment variable Grafana expands; pointed at deploy/grafana it finds the dashboard.
     var = re.fullmatch(r"\$\{?([A-Z_]+)\}?", path)
     assert var, path
-    assert var.group(1) in (ROOT / "README.md").read_text()
+    assert var.group(1) in (ROOT / "docs" / "operations.md").read_text()
     assert (DASHBOARD.parent / DASHBOARD.name).is_file()
     assert json.loads(DASHBOARD.read_text())["uid"] == "pdserve"
 
 
 def test_readme_documents_the_metrics_tab():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operations.md").read_text()
     section = readme[readme.index("## Metrics tab: Prometheus and Grafana"):]
     for needle in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST",
                    "deploy/prometheus/prometheus.yml", "prom_metrics_service_discovery.json",
