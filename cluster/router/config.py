@@ -72,6 +72,11 @@ class RouterConfig:
             object.__setattr__(self, "routing", routing_mode(self.routing))
         except ValueError as exc:
             raise ValueError(f"routing: {exc}") from None
+        if self.agent_inflight_seq_num is not None and self.agent_inflight_seq_num < 1:
+            # The router's queue holds no generating request: a budget of 0 would trim every
+            # candidate and no request would ever be dispatched.
+            raise ValueError(f"agent_inflight_seq_num: must be >= 1 (max_inflight caps the "
+                             f"requests in flight), got {self.agent_inflight_seq_num!r}")
         for name in ("kv_overlap_weight", "kv_decode_weight", "worker_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
