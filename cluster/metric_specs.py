@@ -1,4 +1,4 @@
-"""Every pdserve metric, in one place (DESIGN.md "Observability").
+"""Every pdserve metric, in one place (docs/design.md section 8).
 
 Each metric is a ``ray.util.metrics`` object named ``pdserve_*``; Ray's Prometheus endpoint
 exports it as ``ray_pdserve_*`` (counters with a ``_total`` suffix, histograms as

@@ -355,7 +355,7 @@ def plan_retry(
     mode: DisaggregationMode = DisaggregationMode.AUTO,
     unready: Collection[tuple[str, str]] = (),
 ) -> RetryPlan:
-    """The next attempt after failures (DESIGN.md lifecycle step 6). ``failed`` holds the
+    """The next attempt after failures (docs/design.md section 3, "Retries"). ``failed`` holds the
     (ctx, gen) pairs that failed; ctx None marks a failed local prefill on gen. Order: an untried
     pair, preferring workers not seen in any failure, then by the policies' ranks; then (unless
     mode is ALWAYS) local prefill on an untried generation worker; then an untried pair in

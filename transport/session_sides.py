@@ -1,7 +1,7 @@
 """The two sides' session state machines, on the shared base in ``sessions`` (where the
 buffer-safety invariant is stated; it holds for both). PURE (stdlib + ``protocol``).
 
-Flow (DESIGN.md "Request lifecycle", reference 1.4 and 7.3):
+Flow (docs/design.md section 3; scheduling.md 1.4 and 7.3):
   ctx:  lease(blocks) -> claim(KVRequest) -> [data plane: begin_op ... op_finished] -> poll()
   gen:  reserve(blocks) -> request() -> KVRequest to ctx -> [begin_op ... op_finished] -> poll()
 The generation side names the trailing blocks it needs; leading blocks it holds through its own

@@ -1,5 +1,5 @@
 """Engine configuration: the scheduler's knobs and the runtime's, shared by `LLM`, the workers
-and `pdserve launch` (DESIGN.md "Public interfaces")."""
+and `pdserve launch` (docs/design.md section 11, "Public interfaces")."""
 from __future__ import annotations
 
 import dataclasses

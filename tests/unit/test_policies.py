@@ -1,5 +1,6 @@
 """Router policies: prompt block keys, worker selection (kv-aware on the prefix index's
-matches), conditional disaggregation, retries and request validation (reference trtllm-scheduling.md section 7.5, DESIGN.md "Router policies")."""
+matches), conditional disaggregation, retries and request validation (scheduling.md 7.5,
+docs/design.md section 3)."""
 from __future__ import annotations
 
 import subprocess

@@ -1,6 +1,6 @@
 """The decision logic stays pure: scheduler/, the pure transport modules (protocol, sessions,
-requests) and cluster/policies.py and validation.py import no torch, ray or grpc (DESIGN.md), so
-they are testable in milliseconds."""
+requests) and cluster/policies.py and validation.py import no torch, ray or grpc
+(docs/design.md, "The purity rule"), so they are testable in milliseconds."""
 from __future__ import annotations
 
 import ast
