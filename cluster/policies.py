@@ -17,7 +17,7 @@ from typing import Collection, Iterable, Mapping, NamedTuple, Protocol, Sequence
 from pdserve.scheduler.radix_tree import prompt_block_keys
 
 DEFAULT_TOKENS_PER_BLOCK = 32  # TensorRT-LLM kv_cache_aware router default
-DEFAULT_MAX_BATCH_SIZE = 64  # TensorRT-LLM kv_cache_aware router default (load penalty divisor)
+DEFAULT_MAX_BATCH_SIZE = 64  # a WorkerLoad default until the first heartbeat (TensorRT-LLM router default)
 # --routing: how the router picks workers (and the simulator, with the same classes).
 ROUTING_MODES: tuple[str, ...] = ("round-robin", "least-loaded", "kv-aware")
 
