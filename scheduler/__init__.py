@@ -5,8 +5,7 @@ listed in DESIGN.md.
 """
 from __future__ import annotations
 
-from .capacity import CapacityScheduler, CapacitySchedulerPolicy
-from .capacity_common import CapacityOutput
+from .capacity import CapacityOutput, CapacityScheduler, CapacitySchedulerPolicy
 from .kv_cache import KVCacheManager
 from .kv_prefix_reuse import PrefixReuseSummary
 from .micro_batch import ContextChunkingConfig, ContextChunkingPolicy, MicroBatchScheduler

@@ -1,32 +1,37 @@
 """Capacity scheduler: which active requests may hold KV (and LoRA) resources this iteration.
 
-Reference: trtllm-scheduling.md section 2 (newest capacityScheduler.cpp). Policies:
+scheduling.md section 2 (newest capacityScheduler.cpp). One implementation per policy:
 
-* MaxRequests (no KV manager): the first ``max_num_requests`` requests in the band.
-* GUARANTEED_NO_EVICT / STATIC_BATCH: reserve blocks to completion; never pause.
-* MAX_UTILIZATION: reserve blocks for the next step; pause started requests from the back.
+* MaxRequests (no KV manager, 2.1): ``_schedule_max_requests``.
+* GUARANTEED_NO_EVICT / STATIC_BATCH (2.2-2.4): ``_schedule_no_evict``; reserve blocks to
+  completion, never pause.
+* MAX_UTILIZATION (2.5, 2.6): ``_schedule_max_utilization``; reserve blocks for the next step,
+  pause started requests from the back (``_last_started``).
 
-This module holds the dispatch, MaxRequests and the generic path of each policy. The plain fast
-paths for an exact ``KVCacheManager`` are in capacity_plain.py (``PlainKVPathsMixin``, inherited);
-``CapacityOutput``, the state kinds and the prefix-aware skipping helpers in capacity_common.py.
+Prefix-aware skipping (2.9): ``_skipping_is_relevant``, ``_contexts_already_executing`` and the
+contributed-block sets inside each policy. LoRA pages (2.8) and cross KV (2.7) take part in the
+same loops.
 
-Pure Python, stdlib only. The KV, PEFT and cross-KV managers are read only through the names
-listed in DESIGN.md, so test doubles with those names can stand in.
+Every KV pool, self and cross, is read only through a ``SchedulingView`` (kv_estimates.py) made
+once per pass by ``kv_cache.scheduling_view_of``: the fast closures of an exact
+``KVCacheManager``, or calls to the pool's public names (a subclass, a test double); plus the
+pool's ``start_scheduling`` and ``scheduling_remove_sequence``. Requests and the PEFT manager
+are read through their public fields. tests/unit/test_capacity_differential.py compares every
+decision and side effect with the implementation before this one (a frozen copy).
+
+Pure Python, stdlib only.
 """
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
-from .blocks_manager import MaxUtilizationScheduledBlocksManager, NoEvictScheduledBlocksManager
-from .capacity_common import (
-    _CONTEXT, _ENCODER, _GEN_INIT, _INT_MAX, _RUNNING, _S, _SKIP, _TRANSFER, _ZERO_SUMMARY,
-    CapacityOutput, _beneficial_to_skip, _register_contribution, _reuse_walk_allowed, _state_kinds,
-)
-from .capacity_plain import PlainKVPathsMixin, _is_plain_kv
+from .kv_cache import scheduling_view_of
+from .kv_estimates import SchedulingView
+from .kv_prefix_reuse import PrefixReuseSummary
 from .request import LlmRequest, LlmRequestState
 
-__all__ = ["CapacityScheduler", "CapacitySchedulerPolicy", "ReorderPolicy"]
+__all__ = ["CapacityOutput", "CapacityScheduler", "CapacitySchedulerPolicy", "ReorderPolicy"]
 
 
 class CapacitySchedulerPolicy(enum.IntEnum):
@@ -37,12 +42,65 @@ class CapacitySchedulerPolicy(enum.IntEnum):
     STATIC_BATCH = 2
 
 
+class CapacityOutput(NamedTuple):
+    fitting: list[LlmRequest]
+    fitting_disagg_gen_init: list[LlmRequest]
+    paused: list[LlmRequest]
+
+
 class ReorderPolicy(Protocol):
     def reorder(self, requests: list[LlmRequest]) -> list[LlmRequest]: ...
 
 
-class CapacityScheduler(PlainKVPathsMixin):
-    """Chooses the requests that hold resources this iteration (reference section 2).
+# What a state means to the capacity scheduler, precomputed per band so that the loops do one
+# dict lookup per request instead of a chain of state comparisons.
+_SKIP = 0  # outside the band (or DISAGG_CONTEXT_WAIT_SCHEDULER inside an encoder band)
+_RUNNING = 1  # generation-in-progress, in the band
+_TRANSFER = 2  # DISAGG_GENERATION_TRANS_IN_PROGRESS: counted, never returned (band exempt)
+_GEN_INIT = 3  # DISAGG_GENERATION_INIT: KV reserved so its transfer can start (band exempt)
+_CONTEXT = 4  # context-init, in the band
+_ENCODER = 5  # encoder-init, in the band: a slot and LoRA pages, no KV
+_OTHER = 6  # any other state in the band: considered, never reserved for
+
+_S = LlmRequestState
+_GENERATION_IN_PROGRESS = (
+    _S.DISAGG_GENERATION_TRANS_COMPLETE,
+    _S.GENERATION_IN_PROGRESS,
+    _S.GENERATION_TO_COMPLETE,
+)
+_CONTEXT_INIT = (_S.CONTEXT_INIT, _S.DISAGG_CONTEXT_INIT_AND_TRANS)
+
+
+def _state_kinds(until: LlmRequestState, after: LlmRequestState) -> dict[LlmRequestState, int]:
+    kinds: dict[LlmRequestState, int] = {}
+    for state in LlmRequestState:
+        if state == _S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+            kind = _TRANSFER
+        elif state == _S.DISAGG_GENERATION_INIT:
+            kind = _GEN_INIT
+        elif not until <= state < after or state == _S.DISAGG_CONTEXT_WAIT_SCHEDULER:
+            # Python's scheduler rejects WAIT_SCHEDULER explicitly: an ENCODER_INIT band would
+            # otherwise take in a context-only request still waiting for its generation side.
+            kind = _SKIP
+        elif state in _GENERATION_IN_PROGRESS:
+            kind = _RUNNING
+        elif state in _CONTEXT_INIT:
+            kind = _CONTEXT
+        elif state == _S.ENCODER_INIT:
+            kind = _ENCODER
+        else:
+            kind = _OTHER
+        kinds[state] = kind
+    return kinds
+
+
+_INT_MAX = 2**31 - 1  # PEFT budget without a PEFT manager (C++ INT_MAX)
+# enable_prefix_aware_scheduling=False: first-chunk contexts get this, so there is no reuse credit.
+_ZERO_SUMMARY = PrefixReuseSummary(0, 0, None)
+
+
+class CapacityScheduler:
+    """Chooses the requests that hold resources this iteration (scheduling.md section 2).
 
     ``schedule`` returns the policy's scheduled list split into disaggregated gen-init requests and
     the rest, order preserved, plus the requests MAX_UTILIZATION paused."""
@@ -73,7 +131,7 @@ class CapacityScheduler(PlainKVPathsMixin):
         self._reorder_policy: ReorderPolicy | None = None
 
     def set_reorder_policy(self, policy: ReorderPolicy | None) -> None:
-        """Applied to the active list before every pass (reference sections 2 and 5)."""
+        """Applied to the active list before every pass (scheduling.md sections 2 and 5)."""
         self._reorder_policy = policy
 
     def schedule(
@@ -90,33 +148,29 @@ class CapacityScheduler(PlainKVPathsMixin):
             requests = self._reorder_policy.reorder(requests)
         if not self.has_kv_cache_manager:
             return CapacityOutput(self._schedule_max_requests(requests), [], [])
-        if kv_cache_manager is None:
+        kv, cross_kv = kv_cache_manager, cross_kv_cache_manager
+        if kv is None:
             raise ValueError(f"{self.policy.name} needs a KV cache manager")
-        plain = _is_plain_kv(kv_cache_manager, cross_kv_cache_manager)
-        if self.policy == CapacitySchedulerPolicy.MAX_UTILIZATION:
-            if plain:
-                return self._schedule_max_utilization_plain(
-                    requests, kv_cache_manager, peft_cache_manager
-                )
+        max_utilization = self.policy == CapacitySchedulerPolicy.MAX_UTILIZATION
+        if max_utilization and self.no_schedule_until_state == _S.ENCODER_INIT and cross_kv is None:
+            raise ValueError("MAX_UTILIZATION from ENCODER_INIT needs a cross KV cache manager")
+        view = scheduling_view_of(kv)
+        cross_view = (
+            scheduling_view_of(cross_kv, encoder_tokens=True) if cross_kv is not None else None
+        )
+        if max_utilization:
             return self._schedule_max_utilization(
-                requests, kv_cache_manager, peft_cache_manager, cross_kv_cache_manager
-            )
-        if plain:
-            return self._schedule_no_evict_plain(
-                requests,
-                kv_cache_manager,
-                peft_cache_manager,
-                static=self.policy == CapacitySchedulerPolicy.STATIC_BATCH,
+                requests, kv, view, peft_cache_manager, cross_kv, cross_view
             )
         return self._schedule_no_evict(
             requests,
-            kv_cache_manager,
+            view,
             peft_cache_manager,
-            cross_kv_cache_manager,
+            cross_view,
             static=self.policy == CapacitySchedulerPolicy.STATIC_BATCH,
         )
 
-    # ---- MaxRequests (reference 2.1) ---------------------------------------------------------
+    # ---- MaxRequests (scheduling.md 2.1) ---------------------------------------------------
     def _schedule_max_requests(self, requests: Sequence[LlmRequest]) -> list[LlmRequest]:
         # No disaggregated exemption: gen-init and transfer-in-progress requests are ignored.
         kinds, cap = self._kinds, self.max_num_requests
@@ -129,59 +183,66 @@ class CapacityScheduler(PlainKVPathsMixin):
                 scheduled.append(req)
         return scheduled
 
-    # ---- prefix-aware skipping (reference 2.9) -----------------------------------------------
-    def _skipping_is_relevant(self, kv: Any, cross_kv: Any) -> bool:
+    # ---- prefix-aware skipping (scheduling.md 2.9) -----------------------------------------
+    def _skipping_is_relevant(self, view: SchedulingView, cross_view: SchedulingView | None) -> bool:
         # One block key cannot stand for blocks of several window-size pools.
         return (
             self.enable_prefix_aware_scheduling
-            and not kv.is_variable_window
-            and (cross_kv is None or not cross_kv.is_variable_window)
+            and not view.variable_window
+            and (cross_view is None or not cross_view.variable_window)
         )
 
     def _contexts_already_executing(
-        self, requests: Sequence[LlmRequest], kv: Any, cross_kv: Any, view: Any = None
+        self,
+        requests: Sequence[LlmRequest],
+        view: SchedulingView,
+        cross_view: SchedulingView | None,
     ) -> tuple[set[Any], set[Any]]:
-        """First new blocks of context requests past their first chunk: they will store those
-        blocks, so a new request whose first uncached block is among them should wait. ``view``:
-        the plain paths' ``kv.scheduling_view()``, whose summary is analyze_prefix_reuse's with
-        its cache hit tested in place."""
+        """First new blocks (self, cross) of the context requests past their first chunk: they
+        will store those blocks, so a new request whose first uncached block is among them
+        should wait. MAX_UTILIZATION passes no cross view (scheduling.md 2.7)."""
         contributed: set[Any] = set()
         cross_contributed: set[Any] = set()
-        walk_self = _reuse_walk_allowed(kv)
-        walk_cross = _reuse_walk_allowed(cross_kv)
+        walk_self = view.reuse_walk
+        walk_cross = cross_view is not None and cross_view.reuse_walk
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
         kinds = self._kinds
-        # Context requests not on their first chunk (is_first_context_chunk, without the property).
-        executing = [
-            req
-            for req in requests
-            if kinds[req.state] == _CONTEXT
-            and req.context_current_position != req.prepopulated_prompt_len
-        ]
-        for req in executing:
-            if walk_self:
-                summary = (
-                    view.prefix_summary(req)
-                    if view is not None
-                    else kv.analyze_prefix_reuse(req.get_tokens(0), req)
-                )
-                block = summary.first_new_block
-                if block is not None:
-                    contributed.add(block)
-            if walk_cross and req.encoder_tokens:
-                block = cross_kv.analyze_prefix_reuse(req.encoder_tokens, req).first_new_block
-                if block is not None:
-                    cross_contributed.add(block)
+        prefix_summary = view.prefix_summary
+        for req in requests:
+            # Not on its first chunk: is_first_context_chunk, without the property.
+            if (
+                req.context_current_position != req.prepopulated_prompt_len
+                and kinds[req.state] == _CONTEXT
+            ):
+                if walk_self:
+                    block = prefix_summary(req).first_new_block
+                    if block is not None:
+                        contributed.add(block)
+                if walk_cross and req.encoder_tokens:
+                    block = cross_view.prefix_summary(req).first_new_block  # type: ignore[union-attr]
+                    if block is not None:
+                        cross_contributed.add(block)
         return contributed, cross_contributed
 
-    # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (reference 2.2) --------------------------------
+    # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (scheduling.md 2.2-2.4) ----------------------
     def _schedule_no_evict(
-        self, requests: Sequence[LlmRequest], kv: Any, peft: Any, cross_kv: Any, *, static: bool
+        self,
+        requests: Sequence[LlmRequest],
+        view: SchedulingView,
+        peft: Any,
+        cross_view: SchedulingView | None,
+        *,
+        static: bool,
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
-        reserved = NoEvictScheduledBlocksManager(kv)
-        reserved_cross = NoEvictScheduledBlocksManager(cross_kv) if cross_kv is not None else None
+        to_completion = view.blocks_to_completion
+        # The budgets (2.3): free blocks at the start, less what the admitted requests reserve.
+        available = view.num_free_blocks()
+        cross = cross_view is not None
+        if cross_view is not None:
+            cross_to_completion = cross_view.blocks_to_completion
+            cross_available = cross_view.num_free_blocks()
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         pending_gen_init: list[LlmRequest] = []
@@ -192,7 +253,7 @@ class CapacityScheduler(PlainKVPathsMixin):
 
         # Pass 1: running requests are admitted unconditionally and their remaining blocks
         # reserved even past zero; transfer-in-progress ones hold a slot and KV, never returned.
-        decrement = reserved.decrement_unchecked
+        admit, defer, defer_gen_init = fitting.append, pending.append, pending_gen_init.append
         for req in requests:
             kind = kinds[req.state]
             if kind == _SKIP:
@@ -202,19 +263,19 @@ class CapacityScheduler(PlainKVPathsMixin):
             if kind == _RUNNING or kind == _TRANSFER:
                 admitted += 1
                 if kind == _RUNNING:
-                    fitting.append(req)
-                decrement(req)
-                if reserved_cross is not None:
-                    reserved_cross.decrement_unchecked(req)
+                    admit(req)
+                available -= to_completion(req)
+                if cross:
+                    cross_available -= cross_to_completion(req)
                 task = req.lora_task_id
                 if task is not None and task not in seen_tasks:
                     seen_tasks.add(task)
                     if peft is not None:
                         claimed_peft += peft.determine_num_pages(req)
             elif kind == _GEN_INIT:
-                pending_gen_init.append(req)
+                defer_gen_init(req)
             else:
-                pending.append(req)
+                defer(req)
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
@@ -223,56 +284,65 @@ class CapacityScheduler(PlainKVPathsMixin):
         # among gen-init requests does not stop context candidates.
         available_peft = (peft.max_device_pages if peft is not None else _INT_MAX) - claimed_peft
         prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and _reuse_walk_allowed(kv)
-        walk_cross = prefix_aware and _reuse_walk_allowed(cross_kv)
-        skipping = not static and self._skipping_is_relevant(kv, cross_kv)
+        walk_self = prefix_aware and view.reuse_walk
+        walk_cross = prefix_aware and cross and cross_view.reuse_walk  # type: ignore[union-attr]
+        skipping = not static and self._skipping_is_relevant(view, cross_view)
         if skipping:
             contributed, cross_contributed = self._contexts_already_executing(
-                requests, kv, cross_kv
+                requests, view, cross_view
             )
-        else:
-            contributed, cross_contributed = set(), set()
-        check, commit = reserved.check, reserved.commit
+        prefix_summary = view.prefix_summary
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 kind = kinds[req.state]
-                first_chunk = kind == _CONTEXT and req.is_first_context_chunk
-                summary = cross_summary = None
+                first_chunk = (
+                    kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
+                )
+                summary = cross_summary = block = cross_block = None
                 if first_chunk:
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY
-                        cross_summary = _ZERO_SUMMARY if cross_kv is not None else None
+                        if cross:
+                            cross_summary = _ZERO_SUMMARY
                     else:
                         if walk_self:
-                            summary = kv.analyze_prefix_reuse(req.get_tokens(0), req)
+                            summary = prefix_summary(req)
                         if walk_cross and req.encoder_tokens:
-                            cross_summary = cross_kv.analyze_prefix_reuse(req.encoder_tokens, req)
+                            cross_summary = cross_view.prefix_summary(req)  # type: ignore[union-attr]
                 elif kind == _ENCODER and walk_cross and req.encoder_tokens:
-                    cross_summary = cross_kv.analyze_prefix_reuse(req.encoder_tokens, req)
-                if (
-                    skipping
-                    and (first_chunk or kind == _ENCODER)
-                    and _beneficial_to_skip(summary, cross_summary, contributed, cross_contributed)
-                ):
-                    continue
+                    cross_summary = cross_view.prefix_summary(req)  # type: ignore[union-attr]
+                # Skip (not break) a request whose first uncached block an admitted or executing
+                # context will store: waiting one round turns that block into a reuse hit.
+                if skipping and (first_chunk or kind == _ENCODER):
+                    if summary is not None:
+                        block = summary.first_new_block
+                        if block is not None and block in contributed:
+                            continue
+                    if cross_summary is not None:
+                        cross_block = cross_summary.first_new_block
+                        if cross_block is not None and cross_block in cross_contributed:
+                            continue
                 if admitted >= cap:
                     break
                 task = req.lora_task_id
                 new_task = task is not None and task not in seen_tasks
                 needed_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
-                if kind == _ENCODER:
-                    if needed_peft > available_peft:
-                        continue
-                elif kind == _CONTEXT or kind == _GEN_INIT:
-                    if not check(req, summary):
+                if kind == _CONTEXT or kind == _GEN_INIT:
+                    need = to_completion(req, summary)
+                    if need > available:
                         break
-                    if reserved_cross is not None and not reserved_cross.check(req, cross_summary):
-                        break
+                    if cross:
+                        cross_need = cross_to_completion(req, cross_summary)
+                        if cross_need > cross_available:
+                            break
                     if needed_peft > available_peft:
                         continue  # only LoRA pages are short: a later request may fit
-                    commit()  # the checks above were pure: nothing is reserved before this
-                    if reserved_cross is not None:
-                        reserved_cross.commit()
+                    available -= need
+                    if cross:
+                        cross_available -= cross_need
+                elif kind == _ENCODER:
+                    if needed_peft > available_peft:
+                        continue
                 else:
                     continue
                 out.append(req)
@@ -280,40 +350,47 @@ class CapacityScheduler(PlainKVPathsMixin):
                 available_peft -= needed_peft
                 if new_task:
                     seen_tasks.add(task)
+                # Registered only once admitted, so no later duplicate waits on a contributor
+                # that the budget checks rejected.
                 if skipping:
-                    _register_contribution(summary, cross_summary, contributed, cross_contributed)
+                    if block is not None:
+                        contributed.add(block)
+                    if cross_block is not None:
+                        cross_contributed.add(cross_block)
         return CapacityOutput(fitting, gen_init, [])
 
-    # ---- MAX_UTILIZATION (reference 2.5) -----------------------------------------------------
+    # ---- MAX_UTILIZATION (scheduling.md 2.5, 2.6) ------------------------------------------
     def _schedule_max_utilization(
-        self, requests: Sequence[LlmRequest], kv: Any, peft: Any, cross_kv: Any
+        self,
+        requests: Sequence[LlmRequest],
+        kv: Any,
+        view: SchedulingView,
+        peft: Any,
+        cross_kv: Any,
+        cross_view: SchedulingView | None,
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
-        if self.no_schedule_until_state == _S.ENCODER_INIT and cross_kv is None:
-            raise ValueError("MAX_UTILIZATION from ENCODER_INIT needs a cross KV cache manager")
         kv.start_scheduling()
         if cross_kv is not None:
             cross_kv.start_scheduling()
-        blocks = MaxUtilizationScheduledBlocksManager(kv, self.two_steps_look_ahead)
-        cross_blocks = (
-            MaxUtilizationScheduledBlocksManager(cross_kv, self.two_steps_look_ahead)
-            if cross_kv is not None
-            else None
-        )
+        one_step, has_free = view.blocks_one_step, view.scheduling_has_free_blocks
+        two_steps = self.two_steps_look_ahead
         max_peft = peft.max_device_pages if peft is not None else _INT_MAX
         prefix_aware = self.enable_prefix_aware_scheduling
-        walk_self = prefix_aware and _reuse_walk_allowed(kv)
-        # Cross summaries never take part in skipping here: only the self set is kept.
-        skipping = self._skipping_is_relevant(kv, cross_kv)
-        contributed = self._contexts_already_executing(requests, kv, None)[0] if skipping else set()
-        no_cross: set[Any] = set()
-        prepare, update = blocks.prepare_blocks_if_schedulable, blocks.update_scheduled_blocks
+        walk_self = prefix_aware and view.reuse_walk
+        # Cross summaries never take part in skipping here: only the self set is kept (2.7).
+        skipping = self._skipping_is_relevant(view, cross_view)
+        contributed = (
+            self._contexts_already_executing(requests, view, None)[0] if skipping else set()
+        )
+        prefix_summary = view.prefix_summary
 
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         paused: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
         scheduled_peft = 0
+        scheduled = cross_scheduled = 0  # blocks the admitted requests need for their next step
         admitted = 0
         i = 0
         end = len(requests)
@@ -336,48 +413,42 @@ class CapacityScheduler(PlainKVPathsMixin):
                 admitted += 1
                 i += 1
                 continue
-            first_chunk = kind == _CONTEXT and req.is_first_context_chunk
-            summary = None
+            first_chunk = (
+                kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
+            )
+            summary = block = None
             if first_chunk:
                 if not prefix_aware:
                     summary = _ZERO_SUMMARY
                 elif walk_self:
-                    summary = kv.analyze_prefix_reuse(req.get_tokens(0), req)
-                if skipping and _beneficial_to_skip(summary, None, contributed, no_cross):
-                    i += 1  # skipped, not paused
-                    continue
+                    summary = prefix_summary(req)
+                if summary is not None:
+                    block = summary.first_new_block
+                    if skipping and block is not None and block in contributed:
+                        i += 1  # skipped, not paused
+                        continue
             required_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
 
-            # A retry after a pause reuses the summary and page count: a pause changes only the
-            # scheduling counters, never the radix tree or the contributed set.
+            # A pause moves only the scheduling free counts: the slot and page test and the
+            # request's one-step need in each pool are evaluated once, the free tests on every
+            # try. Every pool must fit before anything is committed; the cross need is asked for
+            # once the self pool fits, as the blocks managers did (2.6).
+            room = admitted < cap and scheduled_peft + required_peft <= max_peft
+            uses_kv = kind != _ENCODER  # encoder-init: no KV in either pool
+            if room and uses_kv:
+                total = scheduled + one_step(req, two_steps, summary)
+            cross_total = None
             while True:
-                fits = False
-                if admitted < cap and scheduled_peft + required_peft <= max_peft:
-                    if kind == _ENCODER:
-                        fits = True  # no KV in either pool
-                    else:
-                        # Predict, commit only if every pool fits: a failed try leaves no trace.
-                        total = prepare(req, summary)
-                        if total is not None:
-                            if cross_blocks is None:
-                                update(total)
-                                fits = True
-                            else:
-                                cross_total = cross_blocks.prepare_blocks_if_schedulable(req)
-                                if cross_total is not None:
-                                    update(total)
-                                    cross_blocks.update_scheduled_blocks(cross_total)
-                                    fits = True
-                if fits:
-                    (gen_init if kind == _GEN_INIT else fitting).append(req)
-                    admitted += 1
-                    scheduled_peft += required_peft
-                    if new_task:
-                        seen_tasks.add(task)
-                    if skipping and first_chunk:
-                        _register_contribution(summary, None, contributed, no_cross)
-                    i += 1
-                    break
+                if room:
+                    if not uses_kv:
+                        break
+                    if has_free(total):
+                        if cross_view is None:
+                            break
+                        if cross_total is None:
+                            cross_total = cross_scheduled + cross_view.blocks_one_step(req, two_steps)
+                        if cross_view.scheduling_has_free_blocks(cross_total):
+                            break
                 victim = self._last_started(requests, i, end)
                 if victim < 0:
                     return CapacityOutput(fitting, gen_init, paused)  # head-of-line blocking
@@ -388,7 +459,19 @@ class CapacityScheduler(PlainKVPathsMixin):
                 paused.append(paused_req)
                 end = victim  # it and everything after it are out of this round
                 if victim == i:
-                    break  # the request paused itself: the loop ends
+                    return CapacityOutput(fitting, gen_init, paused)  # it paused itself
+            (gen_init if kind == _GEN_INIT else fitting).append(req)
+            if uses_kv:
+                scheduled = total
+                if cross_total is not None:
+                    cross_scheduled = cross_total
+            admitted += 1
+            scheduled_peft += required_peft
+            if new_task:
+                seen_tasks.add(task)
+            if skipping and block is not None:
+                contributed.add(block)  # only once admitted: a retry never sees its own block
+            i += 1
         return CapacityOutput(fitting, gen_init, paused)
 
     def _last_started(self, requests: Sequence[LlmRequest], begin: int, end: int) -> int:
@@ -399,6 +482,8 @@ class CapacityScheduler(PlainKVPathsMixin):
         for j in range(end - 1, begin - 1, -1):
             req = requests[j]
             kind = kinds[req.state]
-            if kind == _RUNNING or (kind == _CONTEXT and not req.is_first_context_chunk):
+            if kind == _RUNNING or (
+                kind == _CONTEXT and req.context_current_position != req.prepopulated_prompt_len
+            ):
                 return j
         return -1

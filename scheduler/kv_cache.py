@@ -1,4 +1,4 @@
-"""Paged KV block accounting with TensorRT-LLM semantics (reference 2.4-2.9).
+"""Paged KV block accounting with TensorRT-LLM semantics (scheduling.md 2.4-2.9).
 
 Block accounting only: no tensors. Block ids are ints in [0, num_blocks); a torch KV pool is
 indexed by them. One attention-window size per manager (``is_variable_window`` is False).
@@ -8,20 +8,20 @@ Invariants:
   LRU order), used (ref > 0). ``free + used == num_blocks``.
 * a block's ref count is the number of live sequences holding it; a sequence holds each of its
   distinct blocks once, whatever its beam width (full prompt blocks are shared by the beams).
-* the reuse tree holds only full blocks of the first P - 1 prompt tokens (reference 2.9).
+* the reuse tree holds only full blocks of the first P - 1 prompt tokens (scheduling.md 2.9).
 * allocation takes plain free blocks first, then evicts free cached blocks LRU; evicting a block
   uncaches its subtree (radix_tree.py), so no tree entry becomes unreachable.
 * the scheduling simulation (start_scheduling / scheduling_remove_sequence /
   scheduling_has_free_blocks) never touches real state. Scheduling ref counts are copied lazily
   per block (epoch stamp), so a scheduling round costs O(blocks of the removed sequences).
 
-The manager inherits its prefix analysis (``analyze_prefix_reuse``, the block keys cached on a
-request; reference 2.9) from ``PrefixReuseMixin`` in kv_prefix_reuse.py, and its block estimates
-(``scheduling_view``, ``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``;
-reference 2.4, 2.6) from ``SchedulingEstimatesMixin`` in kv_estimates.py, where ``SchedulingView``
-holds the only copy of the formulas.
+Two concerns live beside the manager, not in it: its prefix analysis (the block keys cached
+on a request and the tree walk, scheduling.md 2.9) is a ``PrefixAnalyzer`` it owns
+(kv_prefix_reuse.py), and its block estimates (scheduling.md 2.4, 2.6) are the closures of
+``kv_estimates.build_scheduling_view``, the only copy of the formulas, which the estimate methods
+below call. ``scheduling_view_of`` picks the view the capacity scheduler reads a pool through.
 
-Choices where the reference is silent (documented in the report): ``remove_sequence`` of an
+Choices where scheduling.md is silent (documented in the report): ``remove_sequence`` of an
 unknown id is a no-op returning False; a cross manager never reuses blocks (reuse on a cross
 manager is rejected); sliding-window front-block detaching applies to beam width 1 only.
 
@@ -29,11 +29,11 @@ Pure Python, stdlib only.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from .kv_estimates import SchedulingEstimatesMixin
-from .kv_prefix_reuse import PrefixReuseMixin
+from .kv_estimates import SchedulingView, build_scheduling_view, public_scheduling_view
 from .kv_events import BlocksStored, KVEventLog
+from .kv_prefix_reuse import PrefixAnalyzer, PrefixReuseSummary
 from .radix_tree import BlockKey, RadixTree
 from .request import LlmRequest
 
@@ -70,7 +70,7 @@ class _Sequence:
         self.front_removed = front_removed
 
 
-class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
+class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
@@ -110,7 +110,6 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
         self.max_token_num = (
             None if max_attention_window is None else max_attention_window + self.sink_bubble_length
         )
-        self._key_ns = (tokens_per_block, is_cross)
 
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # stack: pops 0, 1, 2, ... first
@@ -118,6 +117,7 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
         # an exact index of every worker's cache from them; scheduler/kv_events.py).
         self.kv_events: KVEventLog | None = KVEventLog() if enable_block_reuse else None
         self._tree = RadixTree(self.kv_events)
+        self._prefix = PrefixAnalyzer(tokens_per_block, is_cross, self._tree)
         self._seqs: dict[int, _Sequence] = {}
 
         # Scheduling simulation: per-block counts are valid only if stamped with the epoch.
@@ -259,7 +259,7 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
         matched: list[int] = []
         if self.enable_block_reuse and eff == n and n > 1:
             count = (n - 1) // b
-            keys = self._block_keys(request.get_tokens(0), count, request)
+            keys = self._prefix.block_keys(request.get_tokens(0), count, request)
             matched = self._tree.match(keys, count)
         # Claim matched blocks before allocating, so eviction cannot touch them.
         refs = self._refs
@@ -362,7 +362,7 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
         count = min((request.prompt_len - 1) // self.tokens_per_block, len(seq.beams[0]))
         if count <= 0:
             return 0
-        keys = self._block_keys(request.get_tokens(0), count, request)
+        keys = self._prefix.block_keys(request.get_tokens(0), count, request)
         return len(self._tree.insert(keys[:count], seq.beams[0][:count]))
 
     def remove_sequence(self, request_id: int) -> bool:
@@ -377,7 +377,38 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
             release(blk)
         return True
 
-    # ---- scheduling simulation (reference 2.5) ------------------------------------------------
+    # ---- prefix reuse and block estimates (scheduling.md 2.4, 2.6, 2.9) -----------------------
+    def analyze_prefix_reuse(self, tokens: Sequence[int], request: Any) -> PrefixReuseSummary:
+        """One tree walk over the full blocks of ``tokens[:len(tokens) - 1]`` (the last token is
+        never cached). ``tokens`` is the prompt (cross manager: the encoder tokens).
+
+        The result is cached on the request until the tree changes (``RadixTree.version``), so
+        repeated calls within a scheduling step cost a few attribute reads."""
+        return self._prefix.analyze(tokens, len(tokens), request)
+
+    def scheduling_view(self, *, encoder_tokens: bool = False) -> SchedulingView:
+        """This manager's fast view for one scheduling pass (``kv_estimates.SchedulingView``);
+        ``encoder_tokens``: as a cross pool, whose prefix summary analyzes encoder tokens."""
+        return build_scheduling_view(self, encoder_tokens=encoder_tokens)
+
+    def get_remaining_blocks_to_completion(
+        self, request: LlmRequest, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        """GUARANTEED_NO_EVICT estimate of the blocks the request still needs (scheduling.md
+        2.4); the formula is ``SchedulingView.blocks_to_completion``."""
+        return build_scheduling_view(self).blocks_to_completion(request, summary)
+
+    def get_needed_blocks_one_step(
+        self,
+        request: LlmRequest,
+        two_steps_look_ahead: bool,
+        summary: PrefixReuseSummary | None = None,
+    ) -> int:
+        """MAX_UTILIZATION estimate of the blocks the next step needs (scheduling.md 2.6); the
+        formula is ``SchedulingView.blocks_one_step``."""
+        return build_scheduling_view(self).blocks_one_step(request, two_steps_look_ahead, summary)
+
+    # ---- scheduling simulation (scheduling.md 2.5) --------------------------------------------
     def start_scheduling(self) -> None:
         self._sched_epoch += 1
         self._sched_free = self.get_num_free_blocks()
@@ -428,3 +459,25 @@ class KVCacheManager(PrefixReuseMixin, SchedulingEstimatesMixin):
                 assert (blk in lru) == self._tree.is_cached(blk)
                 assert (blk in free) != (blk in lru)
         assert len(free) + len(lru) + sum(1 for r in self._refs if r > 0) == self.num_blocks
+
+
+# The estimate methods the fast view stands for: one replaced on an instance must be called.
+_VIEW_METHODS = frozenset(
+    {
+        "get_remaining_blocks_to_completion",
+        "get_needed_blocks_one_step",
+        "scheduling_has_free_blocks",
+        "analyze_prefix_reuse",
+    }
+)
+
+
+def scheduling_view_of(manager: Any, *, encoder_tokens: bool = False) -> SchedulingView:
+    """The view a scheduler reads a KV pool through for one pass: the fast closures for exactly
+    a ``KVCacheManager`` with none of its estimate methods replaced on the instance (they compute
+    what its methods compute), else ``public_scheduling_view``, which calls the pool's public
+    names (a subclass may override a formula, a double must see its calls). ``encoder_tokens``:
+    the pool is the cross pool (prefix summaries analyze the encoder tokens)."""
+    if type(manager) is KVCacheManager and _VIEW_METHODS.isdisjoint(vars(manager)):
+        return build_scheduling_view(manager, encoder_tokens=encoder_tokens)
+    return public_scheduling_view(manager, encoder_tokens=encoder_tokens)

@@ -1,15 +1,20 @@
-"""Scheduling estimates of a ``KVCacheManager``: the block formulas of reference 2.4 and 2.6
-(with the prefix credit of 2.9) that the capacity scheduler reads.
+"""Scheduling views of a KV pool: what the capacity scheduler reads of a pool, as one
+NamedTuple of functions (``SchedulingView``), and the two ways of making one.
 
-The formulas live in ``SchedulingView``, the public fast view the capacity scheduler's hot loops
-read (``KVCacheManager.scheduling_view``); the manager's estimate methods
-(``SchedulingEstimatesMixin``, which ``KVCacheManager`` inherits) compute through it.
+* ``build_scheduling_view(kv)``: the fast view of a ``KVCacheManager``, closures over its
+  configuration and live state. These closures are the only copy of the block formulas of
+  scheduling.md 2.4 and 2.6 (with the prefix credit of 2.9): the manager's estimate methods
+  (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``) compute through one.
+* ``public_scheduling_view(manager)``: the same view over any object with the public names of
+  the contract (DESIGN, scheduler/__init__.py), calling those names: a subclass, a test double.
+
+``kv_cache.scheduling_view_of`` picks one of the two for a pool.
 
 Pure Python, stdlib only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from .kv_prefix_reuse import PrefixReuseSummary
 from .request import LlmRequest, LlmRequestState
@@ -27,52 +32,62 @@ _GEN_IN_PROGRESS = (
 
 
 class SchedulingView(NamedTuple):
-    """The public fast view of one ``KVCacheManager`` that the capacity scheduler's hot loops
-    read: the manager's block formulas (reference 2.4, 2.6) and its prefix summary (2.9), as
-    functions a loop binds once per pass and calls once per request.
-
-    These functions are the only copy of the formulas: ``get_remaining_blocks_to_completion``
-    and ``get_needed_blocks_one_step`` compute through a view. They are closures over the
-    manager's configuration rather than methods because a closure cell is read faster than an
-    attribute, and they run for every request on every step.
-
-    Invariants:
-    * valid for one scheduling pass: the configuration (tokens per block, window, sink, reuse
-      switches, pool kind) is copied when the view is made (``KVCacheManager.scheduling_view``),
-      so a view must not outlive a change of those attributes; make one per pass.
-    * sequences and the radix tree are read live, so a view stays exact while sequences are
-      added, grown or removed. The scheduling counters are not part of it: read
-      ``get_scheduling_num_free_blocks``, which only ``start_scheduling`` and
-      ``scheduling_remove_sequence`` move.
-    * the functions change nothing in the manager; their only effects are those of the manager's
-      methods: ``request.estimated_reusable_tokens`` and the request's block-key cache.
+    """One KV pool as the capacity scheduler reads it for one scheduling pass: its block
+    formulas (scheduling.md 2.4, 2.6), its prefix summary (2.9) and its free counts, as functions
+    a loop binds once per pass and calls once per request.
 
     ``prefix_summary(request)``
-        ``analyze_prefix_reuse(request.tokens, request)``: the prompt's summary in this pool;
-        one cached on the request costs a few reads.
+        ``analyze_prefix_reuse(tokens, request)`` with the request's tokens in this pool: its
+        prompt (``request.tokens``), or for the view of a cross pool its encoder tokens.
     ``blocks_to_completion(request, summary=None)``
-        GUARANTEED_NO_EVICT: the blocks the request still needs until it completes (2.4), less
-        the held matched blocks a first chunk is credited with.
+        ``get_remaining_blocks_to_completion``: GUARANTEED_NO_EVICT, the blocks the request still
+        needs until it completes (2.4), less the held matched blocks a first chunk is credited with.
     ``prompt_step_blocks(request, summary=None)``
         MAX_UTILIZATION: the blocks the next step needs for a context request's first chunk or a
         disaggregated generation-init request (2.6), less a context request's held matched blocks.
     ``generation_step_blocks(request, two_steps_look_ahead)``
         MAX_UTILIZATION: the blocks a generating request's next step (two with look-ahead) needs
         (2.6).
+    ``blocks_one_step(request, two_steps_look_ahead, summary=None)``
+        ``get_needed_blocks_one_step``: one of the two above by the request's state, or 0 (and no
+        credit) for any other state, later context chunks included (2.6).
+    ``num_free_blocks()``
+        ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from (2.3).
+    ``scheduling_has_free_blocks(num_blocks)``
+        MAX_UTILIZATION's free test against the scheduling free count (2.5), which only
+        ``start_scheduling`` and ``scheduling_remove_sequence`` (called on the pool) move.
+    ``reuse_walk``
+        whether prefix summaries mean anything here: block reuse on, one window size (2.9).
+    ``variable_window``
+        the pool's ``is_variable_window``: prefix-aware skipping is off when a pool has one.
 
-    ``summary`` is the request's prefix summary, computed when None and a credit applies. Each
-    estimate sets ``request.estimated_reusable_tokens``: the credited prefix's matched tokens
-    (free cached blocks included), else 0.
+    ``summary`` is the request's prefix summary; a formula computes it when None and a credit
+    applies, and a public view passes it on only when not None. Each estimate sets
+    ``request.estimated_reusable_tokens``: the credited prefix's matched tokens (free cached
+    blocks included), else 0.
+
+    Valid for one pass: a view copies the configuration (tokens per block, window, sink, reuse
+    switches, pool kind) when it is made, so make one per pass. Sequences, the radix tree and the
+    counters are read live.
     """
 
     prefix_summary: Callable[[LlmRequest], PrefixReuseSummary]
     blocks_to_completion: Callable[..., int]
     prompt_step_blocks: Callable[..., int]
     generation_step_blocks: Callable[[LlmRequest, bool], int]
+    blocks_one_step: Callable[..., int]
+    num_free_blocks: Callable[[], int]
+    scheduling_has_free_blocks: Callable[[int], bool]
+    reuse_walk: bool
+    variable_window: bool
 
 
-def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
-    """``kv``'s SchedulingView: its configuration read once, into closure cells."""
+def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -> SchedulingView:
+    """``kv``'s fast view: its configuration read once, into closure cells (a closure cell is
+    read faster than an attribute, and these run for every request on every step). Changes
+    nothing in the manager; the only effects are the estimates' own (see ``SchedulingView``) and
+    the request's block-key cache. ``encoder_tokens``: the view of a cross pool, whose prefix
+    summary analyzes the request's encoder tokens."""
     b = kv.tokens_per_block
     s = kv.sink_bubble_length
     # ceil((tokens + S) / B) == (tokens + round_up) // B: one addition instead of two negations.
@@ -81,15 +96,19 @@ def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
     temporary_window = kv.temporary_attention_window
     max_token_num = kv.max_token_num
     is_cross = kv.is_cross
+    variable_window = bool(kv.is_variable_window)
     # Held matched blocks are credited against a first chunk's need: one block key cannot stand
     # for blocks of several window-size pools, and a cross pool never reuses.
-    reuse_credit = kv.enable_block_reuse and not kv.is_variable_window and not is_cross
+    reuse_credit = kv.enable_block_reuse and not variable_window and not is_cross
     seqs_get = kv._seqs.get
-    tree = kv._tree  # never replaced; its version tells whether a cached summary is current
-    key_ns = kv._key_ns
-    analyze = kv._analyze
-    summary_for = kv._summary_for
+    prefix = kv._prefix
+    tree = prefix.tree  # never replaced; its version tells whether a cached summary is current
+    key_ns = prefix.key_ns
+    analyze = prefix.analyze
+    summary_for = prefix.summary_for
     generation_init = _S.DISAGG_GENERATION_INIT
+    context_init = _CONTEXT_INIT
+    gen_in_progress = _GEN_IN_PROGRESS
 
     def prefix_summary(request: LlmRequest) -> PrefixReuseSummary:
         # The summary cached on the request is current while the tree's version is unchanged;
@@ -109,6 +128,10 @@ def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
             ):
                 return entry.summary  # type: ignore[return-value]
         return analyze(tokens, n, request)
+
+    def encoder_prefix_summary(request: LlmRequest) -> PrefixReuseSummary:
+        tokens = request.encoder_tokens
+        return analyze(tokens, len(tokens), request)
 
     def blocks_to_completion(
         request: LlmRequest, summary: PrefixReuseSummary | None = None
@@ -137,7 +160,7 @@ def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
         if (
             alloc == 0
             and reuse_credit
-            and request.state in _CONTEXT_INIT
+            and request.state in context_init
             and request.context_current_position == request.prepopulated_prompt_len
         ):
             if summary is None:
@@ -201,18 +224,13 @@ def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
             return 0
         return ((-cur) // b - (-nxt) // b) * request.beam_width  # (ceil(nxt/B) - ceil(cur/B))
 
-    if not is_cross:
-        return SchedulingView(
-            prefix_summary, blocks_to_completion, prompt_step_blocks, generation_step_blocks
-        )
-
     # A cross pool holds the encoder output: allocated whole before the first context chunk,
-    # it never grows.
+    # it never grows (scheduling.md 2.7).
     def cross_blocks_to_completion(
         request: LlmRequest, summary: PrefixReuseSummary | None = None
     ) -> int:
         request.estimated_reusable_tokens = 0
-        if request.state in _CONTEXT_INIT and request.context_current_position == 0:
+        if request.state in context_init and request.context_current_position == 0:
             return -(-request.encoder_output_len // b)  # ceil
         return 0
 
@@ -220,41 +238,83 @@ def _build_scheduling_view(kv: KVCacheManager) -> SchedulingView:
         request.estimated_reusable_tokens = 0
         return 0
 
+    to_completion = cross_blocks_to_completion if is_cross else blocks_to_completion
+    prompt_step = prompt_step_blocks
+    generation_step = cross_generation_step_blocks if is_cross else generation_step_blocks
+
+    def blocks_one_step(
+        request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        state = request.state
+        if state in gen_in_progress:
+            return generation_step(request, two_steps_look_ahead)
+        if state == generation_init or (
+            state in context_init
+            and request.context_current_position == request.prepopulated_prompt_len
+        ):
+            return prompt_step(request, summary)
+        request.estimated_reusable_tokens = 0  # later context chunks: their blocks are held
+        return 0
+
     return SchedulingView(
-        prefix_summary, cross_blocks_to_completion, prompt_step_blocks, cross_generation_step_blocks
+        encoder_prefix_summary if encoder_tokens else prefix_summary,
+        to_completion,
+        prompt_step,
+        generation_step,
+        blocks_one_step,
+        kv.get_num_free_blocks,
+        kv.scheduling_has_free_blocks,
+        bool(kv.enable_block_reuse) and not variable_window,
+        variable_window,
     )
 
 
-class SchedulingEstimatesMixin:
-    """``KVCacheManager``'s estimate methods: each computes through a ``SchedulingView``, the only
-    copy of the formulas."""
+def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> SchedulingView:
+    """The view of any KV pool through the public names of the contract, looked up when called,
+    so a subclass's overrides and a double's recorders see every call. ``summary`` is passed on
+    only when it is not None, so the two-argument signatures of the contract suffice when no
+    summary exists. ``encoder_tokens``: the view of a cross pool (the encoder tokens are
+    analyzed)."""
 
-    # ---- block estimates (reference 2.4, 2.6) -------------------------------------------------
-    def scheduling_view(self) -> SchedulingView:
-        """The public fast view of this manager for one scheduling pass (``SchedulingView``)."""
-        return _build_scheduling_view(self)
+    def prefix_summary(request: LlmRequest) -> PrefixReuseSummary:
+        tokens = request.encoder_tokens if encoder_tokens else request.get_tokens(0)
+        return manager.analyze_prefix_reuse(tokens, request)
 
-    def get_remaining_blocks_to_completion(
-        self, request: LlmRequest, summary: PrefixReuseSummary | None = None
+    def blocks_to_completion(
+        request: LlmRequest, summary: PrefixReuseSummary | None = None
     ) -> int:
-        """GUARANTEED_NO_EVICT estimate of the blocks the request still needs (reference 2.4);
-        the formula is ``SchedulingView.blocks_to_completion``."""
-        return self.scheduling_view().blocks_to_completion(request, summary)
+        if summary is None:
+            return manager.get_remaining_blocks_to_completion(request)
+        return manager.get_remaining_blocks_to_completion(request, summary)
 
-    def get_needed_blocks_one_step(
-        self,
-        request: LlmRequest,
-        two_steps_look_ahead: bool,
-        summary: PrefixReuseSummary | None = None,
+    def blocks_one_step(
+        request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
     ) -> int:
-        """MAX_UTILIZATION estimate of the blocks the next step needs (reference 2.6); the
-        formulas are ``SchedulingView.prompt_step_blocks`` and ``generation_step_blocks``."""
-        state = request.state
-        if state == _S.DISAGG_GENERATION_INIT or (
-            state in _CONTEXT_INIT and request.is_first_context_chunk
-        ):
-            return self.scheduling_view().prompt_step_blocks(request, summary)
-        if state in _GEN_IN_PROGRESS:
-            return self.scheduling_view().generation_step_blocks(request, two_steps_look_ahead)
-        request.estimated_reusable_tokens = 0  # later context chunks: their blocks are held
-        return 0
+        if summary is None:
+            return manager.get_needed_blocks_one_step(request, two_steps_look_ahead)
+        return manager.get_needed_blocks_one_step(request, two_steps_look_ahead, summary)
+
+    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
+        return blocks_one_step(request, False, summary)  # no look-ahead for a prompt
+
+    def generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
+        return blocks_one_step(request, two_steps_look_ahead)
+
+    def num_free_blocks() -> int:
+        return manager.get_num_free_blocks()
+
+    def scheduling_has_free_blocks(num_blocks: int) -> bool:
+        return manager.scheduling_has_free_blocks(num_blocks)
+
+    variable_window = bool(manager.is_variable_window)
+    return SchedulingView(
+        prefix_summary,
+        blocks_to_completion,
+        prompt_step_blocks,
+        generation_step_blocks,
+        blocks_one_step,
+        num_free_blocks,
+        scheduling_has_free_blocks,
+        bool(manager.enable_block_reuse) and not variable_window,
+        variable_window,
+    )

@@ -1,8 +1,7 @@
-"""KV prefix reuse (reference 2.9): the summary of one radix-tree walk over a prompt, and the
-chained block keys cached on a request.
+"""KV prefix reuse (scheduling.md 2.9): the summary of one radix-tree walk over a prompt, and
+the chained block keys cached on a request.
 
-``PrefixReuseMixin`` is the prefix-analysis part of ``KVCacheManager`` (kv_cache.py), which
-inherits it; it reads the manager's ``tokens_per_block``, ``is_cross``, ``_key_ns`` and ``_tree``.
+``PrefixAnalyzer`` is one pool's prefix analysis; a ``KVCacheManager`` (kv_cache.py) owns one.
 
 Prefix analysis is cheap by construction: chained block keys are cached on the request
 (``LlmRequest.block_key_cache``) and extended when a pause grows the prompt, and the last
@@ -19,7 +18,7 @@ from .request import LlmRequest
 
 
 class PrefixReuseSummary(NamedTuple):
-    """One radix-tree walk over a prompt's full blocks (reference 2.9).
+    """One radix-tree walk over a prompt's full blocks (scheduling.md 2.9).
 
     ``reusable_blocks_allocated``: matched blocks (in the leading matched run) that live
     sequences hold; ``reusable_blocks_all``: length of the leading matched run, free cached blocks
@@ -38,7 +37,8 @@ class _KeyCache:
     """Per request and pool kind: chained block keys, plus the last walk's summary tagged with
     the tree and tree version it was computed against. ``count`` is -1 or the (positive) number
     of full blocks the summary covers, which ``keys`` always holds.
-    ``SchedulingView.prefix_summary`` tests a cache hit in place, exactly as ``_analyze`` does."""
+    ``SchedulingView.prefix_summary`` tests a cache hit in place, exactly as
+    ``PrefixAnalyzer.analyze`` does."""
 
     __slots__ = ("lora", "keys", "tree", "version", "count", "summary")
 
@@ -51,17 +51,24 @@ class _KeyCache:
         self.summary: PrefixReuseSummary | None = None
 
 
-class PrefixReuseMixin:
-    """``KVCacheManager``'s prefix analysis: the request's chained block keys and the tree walk
-    over them. The attributes below are the manager's (set in ``KVCacheManager.__init__``)."""
+class PrefixAnalyzer:
+    """The prefix analysis of one KV pool (scheduling.md 2.9): a request's chained block keys,
+    cached on the request, and the tree walk over them. A ``KVCacheManager`` owns one
+    (``_prefix``) and answers ``analyze_prefix_reuse`` through it; its scheduling view reads
+    ``key_ns``, ``tree`` and ``analyze``.
 
-    tokens_per_block: int
-    is_cross: bool
-    _key_ns: tuple[int, bool]
-    _tree: RadixTree
+    ``key_ns`` (tokens per block, pool kind) names the request's key cache of this kind of
+    pool; ``tree`` is the pool's radix tree, never replaced."""
 
-    # ---- prefix reuse (reference 2.9) ---------------------------------------------------------
-    def _key_cache(self, tokens: Sequence[int], count: int, request: Any) -> _KeyCache:
+    __slots__ = ("tokens_per_block", "is_cross", "key_ns", "tree")
+
+    def __init__(self, tokens_per_block: int, is_cross: bool, tree: RadixTree) -> None:
+        self.tokens_per_block = tokens_per_block
+        self.is_cross = is_cross
+        self.key_ns = (tokens_per_block, is_cross)
+        self.tree = tree
+
+    def key_cache(self, tokens: Sequence[int], count: int, request: Any) -> _KeyCache:
         """The request's chained keys, covering at least its first ``count`` full blocks.
 
         Cached on the request per (tokens_per_block, pool kind): a prompt only ever grows by
@@ -75,10 +82,10 @@ class PrefixReuseMixin:
                 request.block_key_cache = cache
             except AttributeError:  # a slotted test double without the cache slot
                 pass
-        entry = cache.get(self._key_ns)
+        entry = cache.get(self.key_ns)
         if entry is None or entry.lora != lora:
             entry = _KeyCache(lora)
-            cache[self._key_ns] = entry
+            cache[self.key_ns] = entry
         keys = entry.keys
         have = len(keys)
         if have < count:
@@ -97,23 +104,17 @@ class PrefixReuseMixin:
                 return extra
         return entry
 
-    def _block_keys(self, tokens: Sequence[int], count: int, request: Any) -> list[BlockKey]:
-        return self._key_cache(tokens, count, request).keys
+    def block_keys(self, tokens: Sequence[int], count: int, request: Any) -> list[BlockKey]:
+        return self.key_cache(tokens, count, request).keys
 
-    def analyze_prefix_reuse(self, tokens: Sequence[int], request: Any) -> PrefixReuseSummary:
-        """One tree walk over the full blocks of ``tokens[:len(tokens) - 1]`` (the last token is
-        never cached). ``tokens`` is the prompt (cross manager: the encoder tokens).
-
-        The result is cached on the request until the tree changes (``RadixTree.version``), so
-        repeated calls within a scheduling step cost a few attribute reads."""
-        return self._analyze(tokens, len(tokens), request)
-
-    def _analyze(self, tokens: Sequence[int], num_tokens: int, request: Any) -> PrefixReuseSummary:
+    def analyze(self, tokens: Sequence[int], num_tokens: int, request: Any) -> PrefixReuseSummary:
+        """One tree walk over the full blocks of ``tokens[:num_tokens - 1]`` (the last token is
+        never cached), cached on the request until the tree changes (``RadixTree.version``)."""
         count = (num_tokens - 1) // self.tokens_per_block if num_tokens > 0 else 0
         if count <= 0:
             return _EMPTY_SUMMARY
-        entry = self._key_cache(tokens, count, request)
-        tree = self._tree
+        entry = self.key_cache(tokens, count, request)
+        tree = self.tree
         if entry.tree is tree and entry.version == tree.version and entry.count == count:
             return entry.summary  # type: ignore[return-value]
         # Like TensorRT-LLM countReusableBlocks(onlyAllocated): held blocks along the matched run.
@@ -122,6 +123,7 @@ class PrefixReuseMixin:
         entry.tree, entry.version, entry.count, entry.summary = tree, tree.version, count, summary
         return summary
 
-    def _summary_for(self, request: LlmRequest) -> PrefixReuseSummary:
-        # No slice copy: only the first prompt_len tokens are read, and only on a cache miss.
-        return self._analyze(request.get_tokens(0), request.prompt_len, request)
+    def summary_for(self, request: LlmRequest) -> PrefixReuseSummary:
+        """The summary of the request's prompt: the credit a block estimate computes when it is
+        given none. No slice copy: only the first prompt_len tokens are read, on a miss."""
+        return self.analyze(request.get_tokens(0), request.prompt_len, request)

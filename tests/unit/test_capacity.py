@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.scheduler.capacity import CapacityScheduler, CapacitySchedulerPolicy
-from pdserve.scheduler.capacity_common import CapacityOutput
+from pdserve.scheduler.capacity import CapacityOutput
 from pdserve.scheduler.kv_cache import KVCacheManager
 from pdserve.scheduler.peft import PeftCacheManager
 from pdserve.scheduler.request import LlmRequest, LlmRequestState, LlmRequestType

@@ -1,8 +1,8 @@
-"""The capacity scheduler's modules (scheduler/capacity.py, capacity_plain.py with the plain fast
-paths, capacity_common.py) read other objects only through their public names: the KV manager
-through its SchedulingView and public methods, requests and the PEFT manager through their public
-fields. A private attribute (leading underscore, dunders included) may be read only on ``self``
-or ``cls``; getattr-style access with a private name counts as a read too."""
+"""The capacity scheduler (scheduler/capacity.py) reads other objects only through their public
+names: a KV pool through its SchedulingView and its ``start_scheduling`` and
+``scheduling_remove_sequence``, requests and the PEFT manager through their public fields. A
+private attribute (leading underscore, dunders included) may be read only on ``self`` or ``cls``;
+getattr-style access with a private name counts as a read too."""
 from __future__ import annotations
 
 import ast
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 SCHEDULER = Path(__file__).resolve().parents[2] / "scheduler"
-CAPACITY_MODULES = [SCHEDULER / name for name in
-                    ("capacity.py", "capacity_plain.py", "capacity_common.py")]
+CAPACITY_MODULES = [SCHEDULER / "capacity.py"]
 _BY_NAME = {"getattr", "setattr", "hasattr", "delattr"}
 
 
@@ -53,3 +52,18 @@ def test_the_checker_finds_private_reads() -> None:
 @pytest.mark.parametrize("path", CAPACITY_MODULES, ids=lambda p: p.name)
 def test_capacity_reads_no_private_attribute_of_another_object(path: Path) -> None:
     assert private_reads(path.read_text()) == []
+
+
+# The names the capacity scheduler gives a KV pool, and what it may use of one besides its view.
+_POOL_NAMES = {"kv", "cross_kv", "kv_cache_manager", "cross_kv_cache_manager"}
+_POOL_CALLS = {"start_scheduling", "scheduling_remove_sequence"}
+
+
+def test_capacity_reads_the_pools_only_through_their_views() -> None:
+    source = (SCHEDULER / "capacity.py").read_text()
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in _POOL_NAMES):
+            used.add(node.attr)
+    assert used == _POOL_CALLS
