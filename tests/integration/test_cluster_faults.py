@@ -510,7 +510,7 @@ def test_a_restarted_router_never_meets_an_old_attempt_id(cluster, model_dir):
 
     def next_attempt_id() -> int:
         return ray.get(cl.router.__ray_call__.remote(
-            lambda self: self._on_loop(lambda: next(self.router.attempt_ids))),
+            lambda self: self._on_loop(lambda: next(self.router.dispatcher.attempt_ids))),
             timeout=U.RAY_TIMEOUT_S)
 
     # late aborts for the ids the old router used and would use next, and for the first ids a
