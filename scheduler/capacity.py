@@ -198,9 +198,10 @@ class CapacityScheduler:
         view: SchedulingView,
         cross_view: SchedulingView | None,
     ) -> tuple[set[Any], set[Any]]:
-        """First new blocks (self, cross) of the context requests past their first chunk: they
-        will store those blocks, so a new request whose first uncached block is among them
-        should wait. MAX_UTILIZATION passes no cross view (scheduling.md 2.7)."""
+        """First new blocks (self, cross) of the context requests past their first chunk among
+        ``requests`` (in order): they will store those blocks, so a new request whose first
+        uncached block is among them should wait. MAX_UTILIZATION passes no cross view
+        (scheduling.md 2.7)."""
         contributed: set[Any] = set()
         cross_contributed: set[Any] = set()
         walk_self = view.reuse_walk
@@ -208,21 +209,24 @@ class CapacityScheduler:
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
         kinds = self._kinds
+        # Context requests not on their first chunk (is_first_context_chunk, without the
+        # property); the kind first: most requests are not contexts.
+        executing = [
+            req
+            for req in requests
+            if kinds[req.state] == _CONTEXT
+            and req.context_current_position != req.prepopulated_prompt_len
+        ]
         prefix_summary = view.prefix_summary
-        for req in requests:
-            # Not on its first chunk: is_first_context_chunk, without the property.
-            if (
-                req.context_current_position != req.prepopulated_prompt_len
-                and kinds[req.state] == _CONTEXT
-            ):
-                if walk_self:
-                    block = prefix_summary(req).first_new_block
-                    if block is not None:
-                        contributed.add(block)
-                if walk_cross and req.encoder_tokens:
-                    block = cross_view.prefix_summary(req).first_new_block  # type: ignore[union-attr]
-                    if block is not None:
-                        cross_contributed.add(block)
+        for req in executing:
+            if walk_self:
+                block = prefix_summary(req).first_new_block
+                if block is not None:
+                    contributed.add(block)
+            if walk_cross and req.encoder_tokens:
+                block = cross_view.prefix_summary(req).first_new_block  # type: ignore[union-attr]
+                if block is not None:
+                    cross_contributed.add(block)
         return contributed, cross_contributed
 
     # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (scheduling.md 2.2-2.4) ----------------------
@@ -254,28 +258,32 @@ class CapacityScheduler:
         # Pass 1: running requests are admitted unconditionally and their remaining blocks
         # reserved even past zero; transfer-in-progress ones hold a slot and KV, never returned.
         admit, defer, defer_gen_init = fitting.append, pending.append, pending_gen_init.append
+        unvisited: Sequence[LlmRequest] = ()
         for req in requests:
             kind = kinds[req.state]
             if kind == _SKIP:
                 continue
             if admitted >= cap:
+                unvisited = requests[requests.index(req) :]
                 break
-            if kind == _RUNNING or kind == _TRANSFER:
-                admitted += 1
-                if kind == _RUNNING:
-                    admit(req)
-                available -= to_completion(req)
-                if cross:
-                    cross_available -= cross_to_completion(req)
-                task = req.lora_task_id
-                if task is not None and task not in seen_tasks:
-                    seen_tasks.add(task)
-                    if peft is not None:
-                        claimed_peft += peft.determine_num_pages(req)
+            if kind == _RUNNING:
+                admit(req)
             elif kind == _GEN_INIT:
                 defer_gen_init(req)
-            else:
+                continue
+            elif kind != _TRANSFER:
                 defer(req)
+                continue
+            # Running or transfer-in-progress.
+            admitted += 1
+            available -= to_completion(req)
+            if cross:
+                cross_available -= cross_to_completion(req)
+            task = req.lora_task_id
+            if task is not None and task not in seen_tasks:
+                seen_tasks.add(task)
+                if peft is not None:
+                    claimed_peft += peft.determine_num_pages(req)
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
@@ -288,17 +296,19 @@ class CapacityScheduler:
         walk_cross = prefix_aware and cross and cross_view.reuse_walk  # type: ignore[union-attr]
         skipping = not static and self._skipping_is_relevant(view, cross_view)
         if skipping:
+            # The contexts past their first chunk are among the deferred requests, or past the
+            # cap; pass 1 took every other kind.
             contributed, cross_contributed = self._contexts_already_executing(
-                requests, view, cross_view
+                (*pending, *unvisited) if unvisited else pending, view, cross_view
             )
         prefix_summary = view.prefix_summary
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 kind = kinds[req.state]
+                summary = cross_summary = block = cross_block = None
                 first_chunk = (
                     kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
                 )
-                summary = cross_summary = block = cross_block = None
                 if first_chunk:
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY
@@ -347,8 +357,8 @@ class CapacityScheduler:
                     continue
                 out.append(req)
                 admitted += 1
-                available_peft -= needed_peft
                 if new_task:
+                    available_peft -= needed_peft
                     seen_tasks.add(task)
                 # Registered only once admitted, so no later duplicate waits on a contributor
                 # that the budget checks rejected.
@@ -373,7 +383,9 @@ class CapacityScheduler:
         kv.start_scheduling()
         if cross_kv is not None:
             cross_kv.start_scheduling()
-        one_step, has_free = view.blocks_one_step, view.scheduling_has_free_blocks
+        one_step, generation_step = view.blocks_one_step, view.generation_step_blocks
+        prompt_step = view.prompt_step_blocks
+        has_free, free_count = view.scheduling_has_free_blocks, view.scheduling_free_blocks
         two_steps = self.two_steps_look_ahead
         max_peft = peft.max_device_pages if peft is not None else _INT_MAX
         prefix_aware = self.enable_prefix_aware_scheduling
@@ -391,18 +403,28 @@ class CapacityScheduler:
         seen_tasks: set[Any] = set()
         scheduled_peft = 0
         scheduled = cross_scheduled = 0  # blocks the admitted requests need for their next step
+        cross = cross_view is not None
+        if cross_view is not None:
+            cross_one_step = cross_view.blocks_one_step
+            cross_has_free = cross_view.scheduling_has_free_blocks
         admitted = 0
-        i = 0
+        # The fast view's free test is a comparison with the count (SchedulingView).
+        free = free_count() if free_count is not None else None
+        admit, admit_gen_init = fitting.append, gen_init.append
         end = len(requests)
-        while i < end:
+        for i in range(end):
+            if i >= end:  # pauses cut the round short
+                break
             req = requests[i]
             kind = kinds[req.state]
-            if kind == _SKIP:
-                i += 1
-                continue
             task = req.lora_task_id
             new_task = task is not None and task not in seen_tasks
-            if kind == _TRANSFER:
+            block = None
+            if kind == _RUNNING:  # most requests: no summary, nothing to skip
+                pass
+            elif kind == _SKIP:
+                continue
+            elif kind == _TRANSFER:
                 # A slot and LoRA pages; its KV is already outside the scheduling free count.
                 if admitted >= cap:
                     break
@@ -411,44 +433,51 @@ class CapacityScheduler:
                     if peft is not None:
                         scheduled_peft += peft.determine_num_pages(req)
                 admitted += 1
-                i += 1
                 continue
-            first_chunk = (
-                kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
-            )
-            summary = block = None
-            if first_chunk:
-                if not prefix_aware:
-                    summary = _ZERO_SUMMARY
-                elif walk_self:
-                    summary = prefix_summary(req)
-                if summary is not None:
-                    block = summary.first_new_block
-                    if skipping and block is not None and block in contributed:
-                        i += 1  # skipped, not paused
-                        continue
+            else:
+                summary = None
+                first_chunk = (
+                    kind == _CONTEXT
+                    and req.context_current_position == req.prepopulated_prompt_len
+                )
+                if first_chunk:
+                    if not prefix_aware:
+                        summary = _ZERO_SUMMARY
+                    elif walk_self:
+                        summary = prefix_summary(req)
+                    if summary is not None:
+                        block = summary.first_new_block
+                        if skipping and block is not None and block in contributed:
+                            continue  # skipped, not paused
             required_peft = peft.determine_num_pages(req) if new_task and peft is not None else 0
 
-            # A pause moves only the scheduling free counts: the slot and page test and the
-            # request's one-step need in each pool are evaluated once, the free tests on every
-            # try. Every pool must fit before anything is committed; the cross need is asked for
-            # once the self pool fits, as the blocks managers did (2.6).
-            room = admitted < cap and scheduled_peft + required_peft <= max_peft
-            uses_kv = kind != _ENCODER  # encoder-init: no KV in either pool
-            if room and uses_kv:
-                total = scheduled + one_step(req, two_steps, summary)
-            cross_total = None
-            while True:
-                if room:
-                    if not uses_kv:
-                        break
-                    if has_free(total):
-                        if cross_view is None:
-                            break
-                        if cross_total is None:
-                            cross_total = cross_scheduled + cross_view.blocks_one_step(req, two_steps)
-                        if cross_view.scheduling_has_free_blocks(cross_total):
-                            break
+            # Predict, commit only if every pool fits: a failed try leaves no trace. A pause
+            # moves only the scheduling free counts, so the slot and page test and the request's
+            # need in each pool are evaluated once, the free tests on every try; the cross need
+            # is asked for once the self pool fits, as the blocks managers did (2.6).
+            if admitted < cap and scheduled_peft + required_peft <= max_peft:
+                room = True
+                if kind == _RUNNING:
+                    total = scheduled + generation_step(req, two_steps)
+                elif kind == _ENCODER:
+                    total = scheduled  # no KV in either pool
+                elif first_chunk or kind == _GEN_INIT:
+                    total = scheduled + prompt_step(req, two_steps, summary)
+                else:  # later chunks and other states: nothing new (blocks_one_step)
+                    total = scheduled + one_step(req, two_steps, summary)
+                if kind == _ENCODER:
+                    fits = True
+                    cross_total = cross_scheduled
+                else:
+                    fits = total <= free if free is not None else has_free(total)
+                    if cross:
+                        cross_total = None
+                        if fits:
+                            cross_total = cross_scheduled + cross_one_step(req, two_steps)
+                            fits = cross_has_free(cross_total)
+            else:
+                room = fits = False
+            while not fits:
                 victim = self._last_started(requests, i, end)
                 if victim < 0:
                     return CapacityOutput(fitting, gen_init, paused)  # head-of-line blocking
@@ -460,18 +489,27 @@ class CapacityScheduler:
                 end = victim  # it and everything after it are out of this round
                 if victim == i:
                     return CapacityOutput(fitting, gen_init, paused)  # it paused itself
-            (gen_init if kind == _GEN_INIT else fitting).append(req)
-            if uses_kv:
-                scheduled = total
-                if cross_total is not None:
-                    cross_scheduled = cross_total
+                if room:  # then not encoder-init, which fits whenever there is room
+                    if free is not None:
+                        free = free_count()  # type: ignore[misc]
+                    fits = total <= free if free is not None else has_free(total)
+                    if fits and cross:
+                        if cross_total is None:
+                            cross_total = cross_scheduled + cross_one_step(req, two_steps)
+                        fits = cross_has_free(cross_total)
+            if kind == _GEN_INIT:
+                admit_gen_init(req)
+            else:
+                admit(req)
+            scheduled = total
+            if cross:
+                cross_scheduled = cross_total
             admitted += 1
-            scheduled_peft += required_peft
             if new_task:
+                scheduled_peft += required_peft
                 seen_tasks.add(task)
-            if skipping and block is not None:
+            if block is not None and skipping:
                 contributed.add(block)  # only once admitted: a retry never sees its own block
-            i += 1
         return CapacityOutput(fitting, gen_init, paused)
 
     def _last_started(self, requests: Sequence[LlmRequest], begin: int, end: int) -> int:

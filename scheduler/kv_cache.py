@@ -461,12 +461,14 @@ class KVCacheManager:
         assert len(free) + len(lru) + sum(1 for r in self._refs if r > 0) == self.num_blocks
 
 
-# The estimate methods the fast view stands for: one replaced on an instance must be called.
+# The methods the fast view stands for: one replaced on an instance must be called.
 _VIEW_METHODS = frozenset(
     {
         "get_remaining_blocks_to_completion",
         "get_needed_blocks_one_step",
         "scheduling_has_free_blocks",
+        "get_scheduling_num_free_blocks",
+        "get_num_free_blocks",
         "analyze_prefix_reuse",
     }
 )

@@ -29,6 +29,7 @@ _GEN_IN_PROGRESS = (
     _S.GENERATION_TO_COMPLETE,
     _S.DISAGG_GENERATION_TRANS_COMPLETE,
 )
+_NO_LIMIT = 1 << 62  # a token count no request reaches
 
 
 class SchedulingView(NamedTuple):
@@ -41,21 +42,31 @@ class SchedulingView(NamedTuple):
         prompt (``request.tokens``), or for the view of a cross pool its encoder tokens.
     ``blocks_to_completion(request, summary=None)``
         ``get_remaining_blocks_to_completion``: GUARANTEED_NO_EVICT, the blocks the request still
-        needs until it completes (2.4), less the held matched blocks a first chunk is credited with.
-    ``prompt_step_blocks(request, summary=None)``
-        MAX_UTILIZATION: the blocks the next step needs for a context request's first chunk or a
-        disaggregated generation-init request (2.6), less a context request's held matched blocks.
-    ``generation_step_blocks(request, two_steps_look_ahead)``
-        MAX_UTILIZATION: the blocks a generating request's next step (two with look-ahead) needs
-        (2.6).
+        needs until it completes (2.4), less the held matched blocks a first chunk is credited
+        with; for a cross pool, the encoder output's blocks before the first chunk (2.7).
     ``blocks_one_step(request, two_steps_look_ahead, summary=None)``
-        ``get_needed_blocks_one_step``: one of the two above by the request's state, or 0 (and no
-        credit) for any other state, later context chunks included (2.6).
+        ``get_needed_blocks_one_step``: MAX_UTILIZATION, the blocks the next step needs (2.6),
+        by the request's state: a context request's first chunk or a disaggregated
+        generation-init request, its prompt (cross pool: encoder output) and drafts, less a
+        context request's held matched blocks; a generating request, the block boundaries its
+        next step (two with look-ahead) crosses (none in a cross pool); any other state, later
+        context chunks included, 0.
+    ``generation_step_blocks(request, two_steps_look_ahead)``
+        ``blocks_one_step`` for a request known to be generating (generation in progress).
+    ``prompt_step_blocks(request, two_steps_look_ahead, summary=None)``
+        ``blocks_one_step`` for a request known to be on its first context chunk or in
+        generation-init. These two skip the dispatch on the state, which the capacity loop has
+        done already.
     ``num_free_blocks()``
         ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from (2.3).
     ``scheduling_has_free_blocks(num_blocks)``
         MAX_UTILIZATION's free test against the scheduling free count (2.5), which only
         ``start_scheduling`` and ``scheduling_remove_sequence`` (called on the pool) move.
+    ``scheduling_free_blocks``
+        ``get_scheduling_num_free_blocks`` where the free test is exactly ``count >= num_blocks``
+        (the fast view), so a loop may compare with the count it read after the last of those
+        two calls instead of calling the test; None where the test must be called (a public
+        view: a double sees every test).
     ``reuse_walk``
         whether prefix summaries mean anything here: block reuse on, one window size (2.9).
     ``variable_window``
@@ -73,11 +84,12 @@ class SchedulingView(NamedTuple):
 
     prefix_summary: Callable[[LlmRequest], PrefixReuseSummary]
     blocks_to_completion: Callable[..., int]
-    prompt_step_blocks: Callable[..., int]
-    generation_step_blocks: Callable[[LlmRequest, bool], int]
     blocks_one_step: Callable[..., int]
+    generation_step_blocks: Callable[[LlmRequest, bool], int]
+    prompt_step_blocks: Callable[..., int]
     num_free_blocks: Callable[[], int]
     scheduling_has_free_blocks: Callable[[int], bool]
+    scheduling_free_blocks: Callable[[], int] | None
     reuse_walk: bool
     variable_window: bool
 
@@ -94,7 +106,8 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
     round_up = s + b - 1
     w = kv.max_attention_window
     temporary_window = kv.temporary_attention_window
-    max_token_num = kv.max_token_num
+    # The window's max token count; no window: more tokens than a request can have.
+    max_token_num = kv.max_token_num if kv.max_token_num is not None else _NO_LIMIT
     is_cross = kv.is_cross
     variable_window = bool(kv.is_variable_window)
     # Held matched blocks are credited against a first chunk's need: one block key cannot stand
@@ -181,7 +194,42 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
             return (eff_ctx - alloc) + (per_beam - ctx_blocks) * beam
         return (per_beam - reusable_ctx - alloc) * beam
 
-    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
+    def generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
+        # One block per beam for each block boundary the new tokens cross (one token plus the
+        # drafts per step, at most what is left to generate); none once the window is full.
+        request.estimated_reusable_tokens = 0
+        seq = seqs_get(request.request_id)
+        # TensorRT-LLM requires the sequence; without one, the request's own count stands in.
+        cur = seq.num_tokens if seq is not None else request.get_num_tokens(0)
+        drafts = request.draft_tokens
+        add = len(drafts) + 1 if drafts else 1
+        if two_steps_look_ahead:
+            add += add
+        nxt = cur + add
+        last = request.prompt_len + request.max_new_tokens  # no more tokens than that
+        if nxt > last:
+            nxt = last
+        if nxt > max_token_num:
+            return 0
+        return ((-cur) // b - (-nxt) // b) * request.beam_width  # ceil(nxt/B) - ceil(cur/B)
+
+    # A cross pool holds the encoder output: allocated whole before the first context chunk, it
+    # never grows (scheduling.md 2.7).
+    def cross_blocks_to_completion(
+        request: LlmRequest, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        request.estimated_reusable_tokens = 0
+        if request.state in context_init and request.context_current_position == 0:
+            return -(-request.encoder_output_len // b)  # ceil
+        return 0
+
+    def cross_generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
+        request.estimated_reusable_tokens = 0
+        return 0
+
+    def prompt_step_blocks(
+        request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
+    ) -> int:
         # The prompt (cross pool: the encoder output) and draft tokens, capped by the window.
         length = request.encoder_output_len if is_cross else request.prompt_len
         drafts = request.draft_tokens
@@ -205,41 +253,7 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
         request.estimated_reusable_tokens = estimated
         return need
 
-    def generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
-        # One block per beam for each block boundary the new tokens cross (one token plus the
-        # drafts per step, at most what is left to generate); none once the window is full.
-        request.estimated_reusable_tokens = 0
-        seq = seqs_get(request.request_id)
-        # TensorRT-LLM requires the sequence; without one, the request's own count stands in.
-        cur = seq.num_tokens if seq is not None else request.get_num_tokens(0)
-        drafts = request.draft_tokens
-        add = len(drafts) + 1 if drafts else 1
-        if two_steps_look_ahead:
-            add *= 2
-        add_max = request.max_new_tokens - (cur - request.prompt_len)
-        if add_max < add:
-            add = add_max
-        nxt = cur + add
-        if max_token_num is not None and nxt > max_token_num:
-            return 0
-        return ((-cur) // b - (-nxt) // b) * request.beam_width  # (ceil(nxt/B) - ceil(cur/B))
-
-    # A cross pool holds the encoder output: allocated whole before the first context chunk,
-    # it never grows (scheduling.md 2.7).
-    def cross_blocks_to_completion(
-        request: LlmRequest, summary: PrefixReuseSummary | None = None
-    ) -> int:
-        request.estimated_reusable_tokens = 0
-        if request.state in context_init and request.context_current_position == 0:
-            return -(-request.encoder_output_len // b)  # ceil
-        return 0
-
-    def cross_generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
-        request.estimated_reusable_tokens = 0
-        return 0
-
     to_completion = cross_blocks_to_completion if is_cross else blocks_to_completion
-    prompt_step = prompt_step_blocks
     generation_step = cross_generation_step_blocks if is_cross else generation_step_blocks
 
     def blocks_one_step(
@@ -252,18 +266,19 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
             state in context_init
             and request.context_current_position == request.prepopulated_prompt_len
         ):
-            return prompt_step(request, summary)
+            return prompt_step_blocks(request, two_steps_look_ahead, summary)
         request.estimated_reusable_tokens = 0  # later context chunks: their blocks are held
         return 0
 
     return SchedulingView(
         encoder_prefix_summary if encoder_tokens else prefix_summary,
         to_completion,
-        prompt_step,
-        generation_step,
         blocks_one_step,
+        generation_step,
+        prompt_step_blocks,
         kv.get_num_free_blocks,
         kv.scheduling_has_free_blocks,
+        kv.get_scheduling_num_free_blocks,
         bool(kv.enable_block_reuse) and not variable_window,
         variable_window,
     )
@@ -294,11 +309,8 @@ def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> Sch
             return manager.get_needed_blocks_one_step(request, two_steps_look_ahead)
         return manager.get_needed_blocks_one_step(request, two_steps_look_ahead, summary)
 
-    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
-        return blocks_one_step(request, False, summary)  # no look-ahead for a prompt
-
     def generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
-        return blocks_one_step(request, two_steps_look_ahead)
+        return manager.get_needed_blocks_one_step(request, two_steps_look_ahead)
 
     def num_free_blocks() -> int:
         return manager.get_num_free_blocks()
@@ -310,11 +322,12 @@ def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> Sch
     return SchedulingView(
         prefix_summary,
         blocks_to_completion,
-        prompt_step_blocks,
+        blocks_one_step,
         generation_step_blocks,
         blocks_one_step,
         num_free_blocks,
         scheduling_has_free_blocks,
+        None,
         bool(manager.enable_block_reuse) and not variable_window,
         variable_window,
     )

@@ -791,3 +791,31 @@ def test_a_two_argument_double_without_reuse_is_served(policy: P) -> None:
     out = CapacityScheduler(4, policy).schedule(requests, kv)
     assert [r.request_id for r in out.fitting] == [1]
     assert log and {entry[1] for entry in log} >= {"remaining" if policy else "one_step"}
+
+
+_BASE = {
+    "cross": None, "tokens_per_block": 4, "num_blocks": 100, "cross_blocks": 0, "hold": 0,
+    "cached": (), "cached_held": False, "window": None, "temporary_window": 0, "sink": 0,
+    "reuse": True, "variable_window": False, "prefix_aware": True, "two_steps": False,
+    "cap": 64, "band": 0, "peft": None, "peft_tasks": {}, "reorder": None,
+}
+
+
+def _spec(kind: str, p: int, family: int = 1, pos: int = 1) -> tuple:
+    return (kind, p, 4, family, 1, 0, None, 0, pos, 0.5)
+
+
+@pytest.mark.parametrize("pool", _POOLS[:3])
+@pytest.mark.parametrize("cfg, specs", [
+    # GUARANTEED_NO_EVICT stops pass 1 at the cap; a chunked context behind that point still
+    # contributes its first new block, so the duplicate before it is skipped (not stopped).
+    ({"policy": P.GUARANTEED_NO_EVICT, "cap": 1},
+     [_spec("new", 17), _spec("new", 17), _spec("gen", 9, 0), _spec("chunked", 17, pos=4)]),
+    # MAX_UTILIZATION: the duplicate waits, the other context takes the room a pause made.
+    ({"policy": P.MAX_UTILIZATION, "num_blocks": 12, "hold": 3},
+     [_spec("chunked", 17, pos=4), _spec("new", 17), _spec("new", 9, 0), _spec("gen", 9, 0)]),
+], ids=["gne-cap-break", "mu-pause"])
+def test_examples_decide_alike(pool: str, cfg: dict, specs: list[tuple]) -> None:
+    cfg = {**_BASE, **cfg, "pool": pool}
+    assert _outcome(CapacityScheduler, cfg, specs) == _outcome(
+        oracle.OracleCapacityScheduler, cfg, specs)

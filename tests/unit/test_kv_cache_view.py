@@ -87,22 +87,6 @@ def reference_one_step(kv: KVCacheManager, r: LlmRequest, two_steps: bool, summa
     return 0, 0
 
 
-def _view_one_step_of(view):
-    """The one-step need as MAX_UTILIZATION's plain path reads it from the view."""
-
-    def one_step(r: LlmRequest, two_steps: bool, summary) -> int:
-        if r.state == S.DISAGG_GENERATION_INIT or (
-            r.state in _CONTEXT_INIT and r.is_first_context_chunk
-        ):
-            return view.prompt_step_blocks(r, summary)
-        if r.state in _GEN_IN_PROGRESS:
-            return view.generation_step_blocks(r, two_steps)
-        r.estimated_reusable_tokens = 0  # no new block, no credit
-        return 0
-
-    return one_step
-
-
 def _measured(r: LlmRequest, estimate, *args) -> tuple[int, int]:
     r.estimated_reusable_tokens = -1  # every estimate sets it
     blocks = estimate(r, *args)
@@ -167,7 +151,7 @@ def test_view_and_manager_match_the_reference_formulas(data) -> None:
             for two_steps in (False, True):
                 expected = reference_one_step(kv, r, two_steps, summary)
                 assert _measured(r, kv.get_needed_blocks_one_step, two_steps, summary) == expected
-                assert _measured(r, _view_one_step_of(view), two_steps, summary) == expected
+                assert _measured(r, view.blocks_one_step, two_steps, summary) == expected
         if not cross:
             assert view.prefix_summary(r) == kv.analyze_prefix_reuse(r.get_tokens(0), r)
 
