@@ -459,18 +459,19 @@ class CapacityScheduler:
                 room = True
                 if kind == _RUNNING:
                     total = scheduled + generation_step(req, two_steps)
-                elif kind == _ENCODER:
-                    total = scheduled  # no KV in either pool
-                elif first_chunk or kind == _GEN_INIT:
-                    total = scheduled + prompt_step(req, two_steps, summary)
-                else:  # later chunks and other states: nothing new (blocks_one_step)
-                    total = scheduled + one_step(req, two_steps, summary)
-                if kind == _ENCODER:
-                    fits = True
-                    cross_total = cross_scheduled
-                else:
                     fits = total <= free if free is not None else has_free(total)
-                    if cross:
+                elif kind == _ENCODER:
+                    total, fits = scheduled, True  # no KV in either pool
+                else:
+                    if first_chunk or kind == _GEN_INIT:
+                        total = scheduled + prompt_step(req, two_steps, summary)
+                    else:  # later chunks and other states: nothing new (blocks_one_step)
+                        total = scheduled + one_step(req, two_steps, summary)
+                    fits = total <= free if free is not None else has_free(total)
+                if cross:
+                    if kind == _ENCODER:
+                        cross_total = cross_scheduled
+                    else:
                         cross_total = None
                         if fits:
                             cross_total = cross_scheduled + cross_one_step(req, two_steps)

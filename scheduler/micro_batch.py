@@ -33,6 +33,9 @@ _CONTEXT = 2
 _GENERATION = 3
 
 
+_NO_LIMIT = 1 << 62  # a token budget no batch reaches (max_num_tokens None)
+
+
 class _Kinds(dict):
     """State -> kind; anything that is not a state member passes, as the comparisons would."""
 
@@ -160,22 +163,24 @@ class MicroBatchScheduler:
         num_drafts = 0  # draft tokens among the contexts to chunk
         all_fit = True
 
+        token_limit = max_num_tokens if max_num_tokens is not None else _NO_LIMIT
+        take_generation = generation_requests.append
         for req in active_requests:
-            kind = kinds[req.state]
-            if kind == _PASS or (inflight and req.request_id in inflight):
+            if inflight and req.request_id in inflight:
                 continue
-            if kind == _GENERATION:
+            kind = kinds[req.state]
+            if kind == _GENERATION:  # the most common kind first; _PASS last
                 beam = req.beam_width  # get_beam_width_by_iter(): one width for every iteration
                 drafts = req.draft_tokens
                 cost = beam + (len(drafts) if drafts else 0)
-                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                if batch_tokens + cost > token_limit:
                     break
                 if scheduled_beam == 0:
                     scheduled_beam = beam
                 elif beam != scheduled_beam:
                     # One beam width per batch; a mismatch is skipped and not counted.
                     continue
-                generation_requests.append(req)
+                take_generation(req)
                 batch_tokens += cost
             elif kind == _CONTEXT:
                 # Request fields read directly (context_remaining_length, is_first_context_chunk,
@@ -198,7 +203,7 @@ class MicroBatchScheduler:
                             f"request {req.request_id}: context cost {cost} exceeds the maximum "
                             f"context length {max_ctx} and context chunking is off"
                         )
-                    if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    if batch_tokens + cost > token_limit:
                         break
                     context_requests.append(req)
                     batch_tokens += cost
@@ -215,17 +220,19 @@ class MicroBatchScheduler:
                     reusables.append(reusable)
                     chunked_tokens += cost
                     num_drafts += num_draft
-            else:  # _ENCODER
+            elif kind == _ENCODER:
                 cost = req.encoder_output_len
                 if max_ctx is not None and cost > max_ctx:
                     raise ValueError(
                         f"request {req.request_id}: {cost} encoder tokens exceed the maximum "
                         f"context length {max_ctx}"
                     )
-                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                if batch_tokens + cost > token_limit:
                     break
                 encoder_requests.append(req)
                 batch_tokens += cost
+            else:  # _PASS: outside the band, or a state no micro-batch takes
+                continue
             count += 1
             if count >= max_batch_size:
                 break
