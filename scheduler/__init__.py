@@ -1,7 +1,7 @@
 """pdserve.scheduler: pure-Python scheduling with TensorRT-LLM batch-manager semantics.
 
 Stdlib only (no torch, ray, grpc or numpy); the public names below are the stable interface
-listed in DESIGN.md.
+listed in docs/design.md section 11, whose semantics docs/scheduling.md gives rule by rule.
 """
 from __future__ import annotations
 

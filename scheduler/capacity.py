@@ -64,9 +64,7 @@ _OTHER = 6  # any other state in the band: considered, never reserved for
 
 _S = LlmRequestState
 _GENERATION_IN_PROGRESS = (
-    _S.DISAGG_GENERATION_TRANS_COMPLETE,
-    _S.GENERATION_IN_PROGRESS,
-    _S.GENERATION_TO_COMPLETE,
+    _S.DISAGG_GENERATION_TRANS_COMPLETE, _S.GENERATION_IN_PROGRESS, _S.GENERATION_TO_COMPLETE
 )
 _CONTEXT_INIT = (_S.CONTEXT_INIT, _S.DISAGG_CONTEXT_INIT_AND_TRANS)
 
@@ -155,20 +153,12 @@ class CapacityScheduler:
         if max_utilization and self.no_schedule_until_state == _S.ENCODER_INIT and cross_kv is None:
             raise ValueError("MAX_UTILIZATION from ENCODER_INIT needs a cross KV cache manager")
         view = scheduling_view_of(kv)
-        cross_view = (
-            scheduling_view_of(cross_kv, encoder_tokens=True) if cross_kv is not None else None
-        )
+        cross_view = None if cross_kv is None else scheduling_view_of(cross_kv, encoder_tokens=True)
+        peft = peft_cache_manager
         if max_utilization:
-            return self._schedule_max_utilization(
-                requests, kv, view, peft_cache_manager, cross_kv, cross_view
-            )
-        return self._schedule_no_evict(
-            requests,
-            view,
-            peft_cache_manager,
-            cross_view,
-            static=self.policy == CapacitySchedulerPolicy.STATIC_BATCH,
-        )
+            return self._schedule_max_utilization(requests, kv, view, peft, cross_kv, cross_view)
+        static = self.policy == CapacitySchedulerPolicy.STATIC_BATCH
+        return self._schedule_no_evict(requests, view, peft, cross_view, static=static)
 
     # ---- MaxRequests (scheduling.md 2.1) ---------------------------------------------------
     def _schedule_max_requests(self, requests: Sequence[LlmRequest]) -> list[LlmRequest]:
@@ -184,7 +174,9 @@ class CapacityScheduler:
         return scheduled
 
     # ---- prefix-aware skipping (scheduling.md 2.9) -----------------------------------------
-    def _skipping_is_relevant(self, view: SchedulingView, cross_view: SchedulingView | None) -> bool:
+    def _skipping_is_relevant(
+        self, view: SchedulingView, cross_view: SchedulingView | None
+    ) -> bool:
         # One block key cannot stand for blocks of several window-size pools.
         return (
             self.enable_prefix_aware_scheduling
@@ -193,9 +185,7 @@ class CapacityScheduler:
         )
 
     def _contexts_already_executing(
-        self,
-        requests: Sequence[LlmRequest],
-        view: SchedulingView,
+        self, requests: Sequence[LlmRequest], view: SchedulingView,
         cross_view: SchedulingView | None,
     ) -> tuple[set[Any], set[Any]]:
         """First new blocks (self, cross) of the context requests past their first chunk among
@@ -231,13 +221,8 @@ class CapacityScheduler:
 
     # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (scheduling.md 2.2-2.4) ----------------------
     def _schedule_no_evict(
-        self,
-        requests: Sequence[LlmRequest],
-        view: SchedulingView,
-        peft: Any,
-        cross_view: SchedulingView | None,
-        *,
-        static: bool,
+        self, requests: Sequence[LlmRequest], view: SchedulingView, peft: Any,
+        cross_view: SchedulingView | None, *, static: bool,
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
         to_completion = view.blocks_to_completion
@@ -302,13 +287,13 @@ class CapacityScheduler:
                 (*pending, *unvisited) if unvisited else pending, view, cross_view
             )
         prefix_summary = view.prefix_summary
+        cross_prefix_summary = cross_view.prefix_summary if cross_view is not None else None
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 kind = kinds[req.state]
                 summary = cross_summary = block = cross_block = None
-                first_chunk = (
-                    kind == _CONTEXT and req.context_current_position == req.prepopulated_prompt_len
-                )
+                position = req.context_current_position
+                first_chunk = kind == _CONTEXT and position == req.prepopulated_prompt_len
                 if first_chunk:
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY
@@ -318,9 +303,9 @@ class CapacityScheduler:
                         if walk_self:
                             summary = prefix_summary(req)
                         if walk_cross and req.encoder_tokens:
-                            cross_summary = cross_view.prefix_summary(req)  # type: ignore[union-attr]
+                            cross_summary = cross_prefix_summary(req)  # type: ignore[misc]
                 elif kind == _ENCODER and walk_cross and req.encoder_tokens:
-                    cross_summary = cross_view.prefix_summary(req)  # type: ignore[union-attr]
+                    cross_summary = cross_prefix_summary(req)  # type: ignore[misc]
                 # Skip (not break) a request whose first uncached block an admitted or executing
                 # context will store: waiting one round turns that block into a reuse hit.
                 if skipping and (first_chunk or kind == _ENCODER):
@@ -371,13 +356,8 @@ class CapacityScheduler:
 
     # ---- MAX_UTILIZATION (scheduling.md 2.5, 2.6) ------------------------------------------
     def _schedule_max_utilization(
-        self,
-        requests: Sequence[LlmRequest],
-        kv: Any,
-        view: SchedulingView,
-        peft: Any,
-        cross_kv: Any,
-        cross_view: SchedulingView | None,
+        self, requests: Sequence[LlmRequest], kv: Any, view: SchedulingView, peft: Any,
+        cross_kv: Any, cross_view: SchedulingView | None,
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
         kv.start_scheduling()
@@ -392,9 +372,8 @@ class CapacityScheduler:
         walk_self = prefix_aware and view.reuse_walk
         # Cross summaries never take part in skipping here: only the self set is kept (2.7).
         skipping = self._skipping_is_relevant(view, cross_view)
-        contributed = (
-            self._contexts_already_executing(requests, view, None)[0] if skipping else set()
-        )
+        executing = self._contexts_already_executing(requests, view, None) if skipping else None
+        contributed = executing[0] if executing is not None else set()
         prefix_summary = view.prefix_summary
 
         fitting: list[LlmRequest] = []
@@ -436,10 +415,8 @@ class CapacityScheduler:
                 continue
             else:
                 summary = None
-                first_chunk = (
-                    kind == _CONTEXT
-                    and req.context_current_position == req.prepopulated_prompt_len
-                )
+                position = req.context_current_position
+                first_chunk = kind == _CONTEXT and position == req.prepopulated_prompt_len
                 if first_chunk:
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY

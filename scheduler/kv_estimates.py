@@ -6,7 +6,7 @@ NamedTuple of functions (``SchedulingView``), and the two ways of making one.
   scheduling.md 2.4 and 2.6 (with the prefix credit of 2.9): the manager's estimate methods
   (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``) compute through one.
 * ``public_scheduling_view(manager)``: the same view over any object with the public names of
-  the contract (DESIGN, scheduler/__init__.py), calling those names: a subclass, a test double.
+  the contract (docs/design.md section 11), calling those names: a subclass, a test double.
 
 ``kv_cache.scheduling_view_of`` picks one of the two for a pool.
 
