@@ -2,15 +2,15 @@
 
 scheduling.md section 2 (newest capacityScheduler.cpp). One implementation per policy:
 
-* MaxRequests (no KV manager, 2.1): ``_schedule_max_requests``.
-* GUARANTEED_NO_EVICT / STATIC_BATCH (2.2-2.4): ``_schedule_no_evict``; reserve blocks to
-  completion, never pause.
-* MAX_UTILIZATION (2.5, 2.6): ``_schedule_max_utilization``; reserve blocks for the next step,
-  pause started requests from the back (``_last_started``).
+* MaxRequests (no KV manager, scheduling.md 2.1): ``_schedule_max_requests``.
+* GUARANTEED_NO_EVICT / STATIC_BATCH (scheduling.md 2.2-2.4): ``_schedule_no_evict``; reserve
+  blocks to completion, never pause.
+* MAX_UTILIZATION (scheduling.md 2.5, 2.6): ``_schedule_max_utilization``; reserve blocks for
+  the next step, pause started requests from the back (``_last_started``).
 
-Prefix-aware skipping (2.9): ``_skipping_is_relevant``, ``_contexts_already_executing`` and the
-contributed-block sets inside each policy. LoRA pages (2.8) and cross KV (2.7) take part in the
-same loops.
+Prefix-aware skipping (scheduling.md 2.9): ``_skipping_is_relevant``,
+``_contexts_already_executing`` and the contributed-block sets inside each policy. LoRA pages
+(scheduling.md 2.8) and cross KV (scheduling.md 2.7) take part in the same loops.
 
 Every KV pool, self and cross, is read only through a ``SchedulingView`` (kv_estimates.py) made
 once per pass by ``kv_cache.scheduling_view_of``: the fast closures of an exact
@@ -226,7 +226,8 @@ class CapacityScheduler:
     ) -> CapacityOutput:
         kinds, cap = self._kinds, self.max_num_requests
         to_completion = view.blocks_to_completion
-        # The budgets (2.3): free blocks at the start, less what the admitted requests reserve.
+        # The budgets (scheduling.md 2.3): the free blocks at the start, less what the admitted
+        # requests reserve.
         available = view.num_free_blocks()
         cross = cross_view is not None
         if cross_view is not None:
@@ -370,7 +371,8 @@ class CapacityScheduler:
         max_peft = peft.max_device_pages if peft is not None else _INT_MAX
         prefix_aware = self.enable_prefix_aware_scheduling
         walk_self = prefix_aware and view.reuse_walk
-        # Cross summaries never take part in skipping here: only the self set is kept (2.7).
+        # Cross summaries never take part in skipping here: only the self set is kept
+        # (scheduling.md 2.7).
         skipping = self._skipping_is_relevant(view, cross_view)
         executing = self._contexts_already_executing(requests, view, None) if skipping else None
         contributed = executing[0] if executing is not None else set()
@@ -431,7 +433,7 @@ class CapacityScheduler:
             # Predict, commit only if every pool fits: a failed try leaves no trace. A pause
             # moves only the scheduling free counts, so the slot and page test and the request's
             # need in each pool are evaluated once, the free tests on every try; the cross need
-            # is asked for once the self pool fits, as the blocks managers did (2.6).
+            # is asked for once the self pool fits, as the blocks managers did (scheduling.md 2.6).
             if admitted < cap and scheduled_peft + required_peft <= max_peft:
                 room = True
                 if kind == _RUNNING:

@@ -3,8 +3,9 @@ NamedTuple of functions (``SchedulingView``), and the two ways of making one.
 
 * ``build_scheduling_view(kv)``: the fast view of a ``KVCacheManager``, closures over its
   configuration and live state. These closures are the only copy of the block formulas of
-  scheduling.md 2.4 and 2.6 (with the prefix credit of 2.9): the manager's estimate methods
-  (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``) compute through one.
+  scheduling.md 2.4, 2.6 and 2.7 (with the prefix credit of scheduling.md 2.9): the manager's
+  estimate methods (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``)
+  compute through one.
 * ``public_scheduling_view(manager)``: the same view over any object with the public names of
   the contract (docs/design.md section 11), calling those names: a subclass, a test double.
 
@@ -34,23 +35,24 @@ _NO_LIMIT = 1 << 62  # a token count no request reaches
 
 class SchedulingView(NamedTuple):
     """One KV pool as the capacity scheduler reads it for one scheduling pass: its block
-    formulas (scheduling.md 2.4, 2.6), its prefix summary (2.9) and its free counts, as functions
-    a loop binds once per pass and calls once per request.
+    formulas (scheduling.md 2.4, 2.6), its prefix summary (scheduling.md 2.9) and its free
+    counts, as functions a loop binds once per pass and calls once per request.
 
     ``prefix_summary(request)``
         ``analyze_prefix_reuse(tokens, request)`` with the request's tokens in this pool: its
         prompt (``request.tokens``), or for the view of a cross pool its encoder tokens.
     ``blocks_to_completion(request, summary=None)``
         ``get_remaining_blocks_to_completion``: GUARANTEED_NO_EVICT, the blocks the request still
-        needs until it completes (2.4), less the held matched blocks a first chunk is credited
-        with; for a cross pool, the encoder output's blocks before the first chunk (2.7).
+        needs until it completes (scheduling.md 2.4), less the held matched blocks a first chunk
+        is credited with; for a cross pool, the encoder output's blocks before the first chunk
+        (scheduling.md 2.7).
     ``blocks_one_step(request, two_steps_look_ahead, summary=None)``
-        ``get_needed_blocks_one_step``: MAX_UTILIZATION, the blocks the next step needs (2.6),
-        by the request's state: a context request's first chunk or a disaggregated
-        generation-init request, its prompt (cross pool: encoder output) and drafts, less a
-        context request's held matched blocks; a generating request, the block boundaries its
-        next step (two with look-ahead) crosses (none in a cross pool); any other state, later
-        context chunks included, 0.
+        ``get_needed_blocks_one_step``: MAX_UTILIZATION, the blocks the next step needs
+        (scheduling.md 2.6), by the request's state: a context request's first chunk or a
+        disaggregated generation-init request, its prompt (cross pool: encoder output) and
+        drafts, less a context request's held matched blocks; a generating request, the block
+        boundaries its next step (two with look-ahead) crosses (none in a cross pool); any
+        other state, later context chunks included, 0.
     ``generation_step_blocks(request, two_steps_look_ahead)``
         ``blocks_one_step`` for a request known to be generating (generation in progress).
     ``prompt_step_blocks(request, two_steps_look_ahead, summary=None)``
@@ -58,17 +60,20 @@ class SchedulingView(NamedTuple):
         generation-init. These two skip the dispatch on the state, which the capacity loop has
         done already.
     ``num_free_blocks()``
-        ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from (2.3).
+        ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from
+        (scheduling.md 2.3).
     ``scheduling_has_free_blocks(num_blocks)``
-        MAX_UTILIZATION's free test against the scheduling free count (2.5), which only
-        ``start_scheduling`` and ``scheduling_remove_sequence`` (called on the pool) move.
+        MAX_UTILIZATION's free test against the scheduling free count (scheduling.md 2.5),
+        which only ``start_scheduling`` and ``scheduling_remove_sequence`` (called on the pool)
+        move.
     ``scheduling_free_blocks``
         ``get_scheduling_num_free_blocks`` where the free test is exactly ``count >= num_blocks``
         (the fast view), so a loop may compare with the count it read after the last of those
         two calls instead of calling the test; None where the test must be called (a public
         view: a double sees every test).
     ``reuse_walk``
-        whether prefix summaries mean anything here: block reuse on, one window size (2.9).
+        whether prefix summaries mean anything here: block reuse on, one window size
+        (scheduling.md 2.9).
     ``variable_window``
         the pool's ``is_variable_window``: prefix-aware skipping is off when a pool has one.
 

@@ -1,7 +1,7 @@
 """Micro-batch scheduler: picks this step's forward batch from the capacity-fitting requests.
 
 TensorRT-LLM microBatchScheduler.cpp / PyMicroBatchScheduler semantics with the reuse-adjusted
-compute cost model (reference trtllm-scheduling.md section 3). Pure Python, stdlib only.
+compute cost model (scheduling.md section 3). Pure Python, stdlib only.
 
 Budgets are in *compute* tokens: a cached prefix is free only on the chunk that reaches the end of
 the prompt, because the executor shifts a chunk past the cached prefix instead of shrinking it
