@@ -365,7 +365,6 @@ class CapacityScheduler:
         if cross_kv is not None:
             cross_kv.start_scheduling()
         one_step, generation_step = view.blocks_one_step, view.generation_step_blocks
-        prompt_step = view.prompt_step_blocks
         has_free, free_count = view.scheduling_has_free_blocks, view.scheduling_free_blocks
         two_steps = self.two_steps_look_ahead
         max_peft = peft.max_device_pages if peft is not None else _INT_MAX
@@ -418,8 +417,7 @@ class CapacityScheduler:
             else:
                 summary = None
                 position = req.context_current_position
-                first_chunk = kind == _CONTEXT and position == req.prepopulated_prompt_len
-                if first_chunk:
+                if kind == _CONTEXT and position == req.prepopulated_prompt_len:  # first chunk
                     if not prefix_aware:
                         summary = _ZERO_SUMMARY
                     elif walk_self:
@@ -442,10 +440,7 @@ class CapacityScheduler:
                 elif kind == _ENCODER:
                     total, fits = scheduled, True  # no KV in either pool
                 else:
-                    if first_chunk or kind == _GEN_INIT:
-                        total = scheduled + prompt_step(req, two_steps, summary)
-                    else:  # later chunks and other states: nothing new (blocks_one_step)
-                        total = scheduled + one_step(req, two_steps, summary)
+                    total = scheduled + one_step(req, two_steps, summary)
                     fits = total <= free if free is not None else has_free(total)
                 if cross:
                     if kind == _ENCODER:

@@ -54,11 +54,11 @@ class SchedulingView(NamedTuple):
         boundaries its next step (two with look-ahead) crosses (none in a cross pool); any
         other state, later context chunks included, 0.
     ``generation_step_blocks(request, two_steps_look_ahead)``
-        ``blocks_one_step`` for a request known to be generating (generation in progress).
-    ``prompt_step_blocks(request, two_steps_look_ahead, summary=None)``
-        ``blocks_one_step`` for a request known to be on its first context chunk or in
-        generation-init. These two skip the dispatch on the state, which the capacity loop has
-        done already.
+        ``blocks_one_step`` for a request known to be generating (generation in progress),
+        without the dispatch on its state: the hot call of MAX_UTILIZATION.
+    ``prompt_step_blocks(request, summary=None)``
+        ``blocks_one_step`` for a request on its first context chunk or in generation-init,
+        whose need look-ahead does not change (a public view asks without it).
     ``num_free_blocks()``
         ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from
         (scheduling.md 2.3).
@@ -232,32 +232,6 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
         request.estimated_reusable_tokens = 0
         return 0
 
-    def prompt_step_blocks(
-        request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
-    ) -> int:
-        # The prompt (cross pool: the encoder output) and draft tokens, capped by the window.
-        length = request.encoder_output_len if is_cross else request.prompt_len
-        drafts = request.draft_tokens
-        if drafts:
-            length += len(drafts)
-        if w is not None:
-            # TensorRT-LLM names max_new_tokens "chunkSize" here.
-            length = min(length, w + request.max_new_tokens)
-        length += s
-        shared = length // b
-        # The last partial block is written by every beam, so each beam gets its own.
-        need = shared + (request.beam_width if length % b else 0)
-        estimated = 0
-        if reuse_credit and request.state != generation_init:
-            if summary is None:
-                summary = summary_for(request)
-            held = summary.reusable_blocks_allocated
-            need -= held if held < shared else shared
-            matched = summary.reusable_blocks_all
-            estimated = (matched if matched < shared else shared) * b
-        request.estimated_reusable_tokens = estimated
-        return need
-
     to_completion = cross_blocks_to_completion if is_cross else blocks_to_completion
     generation_step = cross_generation_step_blocks if is_cross else generation_step_blocks
 
@@ -265,15 +239,39 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
         request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
     ) -> int:
         state = request.state
-        if state in gen_in_progress:
-            return generation_step(request, two_steps_look_ahead)
         if state == generation_init or (
             state in context_init
             and request.context_current_position == request.prepopulated_prompt_len
         ):
-            return prompt_step_blocks(request, two_steps_look_ahead, summary)
+            # The prompt (cross pool: the encoder output) and draft tokens, capped by the window.
+            length = request.encoder_output_len if is_cross else request.prompt_len
+            drafts = request.draft_tokens
+            if drafts:
+                length += len(drafts)
+            if w is not None:
+                # TensorRT-LLM names max_new_tokens "chunkSize" here.
+                length = min(length, w + request.max_new_tokens)
+            length += s
+            shared = length // b
+            # The last partial block is written by every beam, so each beam gets its own.
+            need = shared + (request.beam_width if length % b else 0)
+            estimated = 0
+            if reuse_credit and state != generation_init:
+                if summary is None:
+                    summary = summary_for(request)
+                held = summary.reusable_blocks_allocated
+                need -= held if held < shared else shared
+                matched = summary.reusable_blocks_all
+                estimated = (matched if matched < shared else shared) * b
+            request.estimated_reusable_tokens = estimated
+            return need
+        if state in gen_in_progress:
+            return generation_step(request, two_steps_look_ahead)
         request.estimated_reusable_tokens = 0  # later context chunks: their blocks are held
         return 0
+
+    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
+        return blocks_one_step(request, False, summary)
 
     return SchedulingView(
         encoder_prefix_summary if encoder_tokens else prefix_summary,
@@ -317,6 +315,9 @@ def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> Sch
     def generation_step_blocks(request: LlmRequest, two_steps_look_ahead: bool) -> int:
         return manager.get_needed_blocks_one_step(request, two_steps_look_ahead)
 
+    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
+        return blocks_one_step(request, False, summary)
+
     def num_free_blocks() -> int:
         return manager.get_num_free_blocks()
 
@@ -329,7 +330,7 @@ def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> Sch
         blocks_to_completion,
         blocks_one_step,
         generation_step_blocks,
-        blocks_one_step,
+        prompt_step_blocks,
         num_free_blocks,
         scheduling_has_free_blocks,
         None,
