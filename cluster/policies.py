@@ -1,7 +1,7 @@
 """Router decisions: worker selection, conditional disaggregation, retries (request validation:
 ``validation.py``).
 
-TensorRT-LLM disaggregated-server semantics (reference trtllm-scheduling.md section 7.5) where the
+TensorRT-LLM disaggregated-server semantics (scheduling.md 7.5) where the
 reference is exact. PURE: stdlib only (no torch, ray, grpc, numpy), so every routing decision is
 unit-tested in milliseconds; cluster/router/ feeds in load snapshots and carries the choices out.
 

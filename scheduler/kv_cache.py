@@ -21,7 +21,7 @@ on a request and the tree walk, scheduling.md 2.9) is a ``PrefixAnalyzer`` it ow
 ``kv_estimates.build_scheduling_view``, the only copy of the formulas, which the estimate methods
 below call. ``scheduling_view_of`` picks the view the capacity scheduler reads a pool through.
 
-Choices where scheduling.md is silent (documented in the report): ``remove_sequence`` of an
+Choices where TensorRT-LLM is silent (scheduling.md 2.3, 2.9): ``remove_sequence`` of an
 unknown id is a no-op returning False; a cross manager never reuses blocks (reuse on a cross
 manager is rejected); sliding-window front-block detaching applies to beam width 1 only.
 

@@ -1,7 +1,7 @@
 """Per-step request bookkeeping shared by the real executor and the simulated worker.
 
 The schedulers decide *who* runs; these functions carry out what the step means for a request's
-state and its KV blocks, in the order TensorRT-LLM's PyExecutor does it (reference section 6):
+state and its KV blocks, in the order TensorRT-LLM's PyExecutor does it (scheduling.md 6):
 pause what the capacity pass evicted, reserve KV for generation-init requests, allocate the
 whole prompt's blocks on a context request's first chunk (prefix reuse shifts the chunk past the
 cached part), grow decode sequences by one token, then after the forward pass advance chunks and

@@ -1,4 +1,4 @@
-"""LoRA (PEFT) page accounting for the capacity scheduler (reference 2.8).
+"""LoRA (PEFT) page accounting for the capacity scheduler (scheduling.md 2.8).
 
 The scheduler keeps the set of task ids seen in one pass and charges
 ``determine_num_pages(request)`` only for a task's first request; this class only answers how

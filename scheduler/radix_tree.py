@@ -1,4 +1,4 @@
-"""Block-key tree for KV prefix reuse: match, insert, evict (reference 2.9).
+"""Block-key tree for KV prefix reuse: match, insert, evict (scheduling.md 2.9).
 
 A node is one cached KV block. Its key is a *chained* block key: a digest of the whole token
 prefix up to and including that block plus the LoRA task id (see ``chain_block_keys``), so a key

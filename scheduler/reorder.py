@@ -1,6 +1,6 @@
 """Request ordering: the AgentTree reorder policy and priority insertion.
 
-TensorRT-LLM agentTree.cpp semantics (reference trtllm-scheduling.md section 5), except that the
+TensorRT-LLM agentTree.cpp semantics (scheduling.md 5), except that the
 random interleave draws from a ``random.Random`` owned by the policy instance, so an ordering is
 reproducible from the seed and instances never disturb each other. Pure Python, stdlib only.
 """

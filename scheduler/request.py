@@ -1,6 +1,6 @@
 """Request states and the scheduler's view of a request (TensorRT-LLM llmRequest.h semantics).
 
-Reference: trtllm-scheduling.md sections 1 and 4. Pure Python, stdlib only.
+Rules: scheduling.md 1 and 4. Pure Python, stdlib only.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ _GENERATION_STAGE_STATES = frozenset(
 
 @dataclass(slots=True)
 class ContextPhaseParams:
-    """What a context-only request hands to the generation side (reference 7.2).
+    """What a context-only request hands to the generation side (scheduling.md 7.2).
 
     ``first_gen_tokens`` holds one token per beam; ``opaque_state`` carries the context worker's
     transport endpoint and cache layout, serialized by the transport layer."""
@@ -261,7 +261,7 @@ class LlmRequest:
             )
         if size < 0:
             raise ValueError(f"context_chunk_size must be >= 0, got {size}")
-        # Silently clamped to what is left of the context (reference 1.2).
+        # Silently clamped to what is left of the context (scheduling.md 1.2).
         self._context_chunk_size = min(size, self.context_remaining_length)
 
     @property
@@ -291,7 +291,7 @@ class LlmRequest:
     def set_prepopulated_prompt_len(self, prepopulated: int, tokens_per_block: int) -> None:
         """Skip a cached prefix: the position jumps past it and, for a non-last chunk, the chunk
         shrinks so that it still ends on a block boundary (the chunk is shifted, not shrunk by the
-        credit; reference 3.5)."""
+        credit; scheduling.md 3.5)."""
         if not 0 <= prepopulated < self.prompt_len:
             raise ValueError(
                 f"prepopulated length {prepopulated} must lie in [0, {self.prompt_len})"
@@ -379,7 +379,7 @@ class LlmRequest:
     # ---- disaggregated generation -----------------------------------------------------------
     def convert_disagg_generation_trans_complete(self) -> None:
         """DISAGG_GENERATION_TRANS_COMPLETE -> GENERATION_IN_PROGRESS before the first decode step
-        (reference 1.4 step 6): the whole prompt counts as context and the first token(s) sampled
+        (scheduling.md 1.4 step 6): the whole prompt counts as context and the first token(s) sampled
         by the context worker are appended, one per beam."""
         if self.state != S.DISAGG_GENERATION_TRANS_COMPLETE:
             raise ValueError(f"request {self.request_id} is in {self.state.name}, not TRANS_COMPLETE")
@@ -400,7 +400,7 @@ class LlmRequest:
 
     # ---- pause -------------------------------------------------------------------------------
     def pause(self, max_input_len: int) -> None:
-        """Evict and recompute later (reference section 4).
+        """Evict and recompute later (scheduling.md 4).
 
         Beam 1: generated tokens become prompt, clamped at ``max_input_len`` (tokens beyond it are
         dropped and will be generated again), and ``max_new_tokens`` shrinks by what was absorbed.

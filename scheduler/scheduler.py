@@ -1,6 +1,6 @@
 """SimpleScheduler: capacity pass, then micro-batch pass (TensorRT-LLM PyExecutor's scheduler).
 
-Reference trtllm-scheduling.md section 6. The capacity pass decides who holds resources (and whom
+scheduling.md 6. The capacity pass decides who holds resources (and whom
 to pause); the micro-batch pass picks this step's batch among the fitting requests. Pure Python.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ Flow (docs/design.md section 3; scheduling.md 1.4 and 7.3):
   ctx:  lease(blocks) -> claim(KVRequest) -> [data plane: begin_op ... op_finished] -> poll()
   gen:  reserve(blocks) -> request() -> KVRequest to ctx -> [begin_op ... op_finished] -> poll()
 The generation side names the trailing blocks it needs; leading blocks it holds through its own
-prefix cache never travel (reference 7.3, "only the last k block ids are sent").
+prefix cache never travel (scheduling.md 7.3, "only the last k block ids are sent").
 """
 from __future__ import annotations
 

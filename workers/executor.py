@@ -1,4 +1,4 @@
-"""The step loop (TensorRT-LLM's PyExecutor, reference section 6) around a real model.
+"""The step loop (TensorRT-LLM's PyExecutor, scheduling.md 6) around a real model.
 
 Per step: schedule (capacity, then micro-batch) -> pause what the capacity pass evicted (free its
 KV, fold its tokens into the prompt) -> allocate KV for first chunks (prefix reuse moves the
@@ -395,7 +395,7 @@ class Executor:
         }
 
     def _poll_transfers(self) -> list[WireUpdate]:
-        # Block briefly only when nothing but receives is left to run (reference 1.4 step 2).
+        # Block briefly only when nothing but receives is left to run (scheduling.md 1.4 step 2).
         waiting_only = bool(self.active) and all(
             r.state == LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS for r in self.active
         )

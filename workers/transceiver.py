@@ -210,7 +210,7 @@ class KVTransceiver:
     def poll(self, active: list[LlmRequest], kv, *, wait_s: float = 0.0) -> list[tuple[LlmRequest, str]]:
         """Apply finished transfers. Returns generation requests whose transfer failed, with the
         reason; their blocks are already free. With ``wait_s`` > 0 and every active request
-        receiving, waits up to that long for one receive to finish (reference 1.4 step 2)."""
+        receiving, waits up to that long for one receive to finish (scheduling.md 1.4 step 2)."""
         failed: list[tuple[LlmRequest, str]] = []
         if self.sender is not None:
             for result in self.sender.poll():

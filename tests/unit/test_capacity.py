@@ -1,10 +1,10 @@
 """Capacity scheduler: MaxRequests, GUARANTEED_NO_EVICT, STATIC_BATCH, LoRA pages, cross KV,
-prefix-aware skipping and the reorder hook (reference trtllm-scheduling.md section 2).
+prefix-aware skipping and the reorder hook (scheduling.md 2).
 
 KV state is built with the real KVCacheManager the way the executor builds it (add_sequence,
 add_token, store_context_blocks) and request states are set directly. B = 4 tokens per block;
 GNE needs of a new request are ceil((P + N) / B) blocks, of a running one
-ceil((P + N) / B) - allocated (reference 2.4).
+ceil((P + N) / B) - allocated (scheduling.md 2.4).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """MAX_UTILIZATION capacity scheduling: pause from the back, retry, caps, look-ahead, cross KV
-(reference trtllm-scheduling.md sections 2.5-2.8).
+(scheduling.md 2.5-2.8).
 
 B = 4 tokens per block. A generating request whose KV sequence holds a multiple of B tokens needs
-one block for its next step; a new context needs ceil(P / B) blocks (reference 2.6).
+one block for its next step; a new context needs ceil(P / B) blocks (scheduling.md 2.6).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block estimates: remaining-to-completion (reference 2.4) and needed-one-step (reference 2.6)."""
+"""Block estimates: remaining-to-completion (scheduling.md 2.4) and needed-one-step (2.6)."""
 from __future__ import annotations
 
 from pdserve.scheduler.kv_cache import KVCacheManager

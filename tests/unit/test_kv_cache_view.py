@@ -1,5 +1,5 @@
 """SchedulingView, the KV manager's public fast view: its formulas are the manager's estimates
-(reference 2.4 and 2.6), checked against a plain transcription of the reference on random pools,
+(scheduling.md 2.4 and 2.6), checked against a plain transcription of the reference on random pools,
 windows, beams, drafts, reuse credits and states; and it reads sequences and the tree live."""
 from __future__ import annotations
 

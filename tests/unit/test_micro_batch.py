@@ -1,4 +1,4 @@
-"""MicroBatchScheduler: reference trtllm-scheduling.md section 3 (reuse-adjusted cost model)."""
+"""MicroBatchScheduler: scheduling.md 3 (reuse-adjusted cost model)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""MicroBatchScheduler against a direct transcription of reference sections 3.2-3.4.
+"""MicroBatchScheduler against a direct transcription of scheduling.md 3.2-3.4.
 
 The scheduler's first pass and FIRST_COME_FIRST_SERVED chunking are written for speed (request
 fields read in place, reuse_adjusted_compute inlined); the oracles below follow the reference

@@ -1,4 +1,4 @@
-"""LoRA page accounting (reference 2.8)."""
+"""LoRA page accounting (scheduling.md 2.8)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""AgentTree reorder policy and priority insertion: reference trtllm-scheduling.md section 5."""
+"""AgentTree reorder policy and priority insertion: scheduling.md 5."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""SimpleScheduler: capacity pass, then micro-batch pass on the fitting list (reference section 6)."""
+"""SimpleScheduler: capacity pass, then micro-batch pass on the fitting list (scheduling.md 6)."""
 from __future__ import annotations
 
 import pdserve.scheduler as sched_pkg
