@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cluster_util as U  # noqa: E402
 
 from pdserve.cluster.router import RouterConfig  # noqa: E402
+from pdserve.scheduler.radix_tree import prompt_block_keys  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -75,8 +76,13 @@ def _index_matches_the_caches(cl, timeout_s: float = 30.0) -> dict:
 
 def test_kv_aware_routing_predicts_reuse_exactly_under_eviction(clusters, model_dir):
     cl = clusters(**ROUTING)
-    convos = _conversations(8, turns=4, seed=21)
-    order = [(c, t) for t in range(4) for c in range(8)]  # round by round: evicts between turns
+    n = 12
+    convos = _conversations(n, turns=4, seed=21)
+    # More distinct prompt blocks than both context pools hold, so they evict whatever the
+    # routing does (with 8 conversations, 86 blocks fit 2 x 48 when the load spread them evenly).
+    distinct = {k for convo in convos for p in convo for k in prompt_block_keys(p, TPB)}
+    assert len(distinct) > 2 * CONTEXT_BLOCKS
+    order = [(c, t) for t in range(4) for c in range(n)]  # round by round: evicts between turns
     results = {}
 
     async def run():
@@ -106,7 +112,7 @@ def test_kv_aware_routing_predicts_reuse_exactly_under_eviction(clusters, model_
     # many turns keep their history depends on what LRU eviction left between rounds, which
     # depends on load figures sampled at routing time, so the test counts no fraction of them.
     own_history = 0
-    for c in range(8):
+    for c in range(n):
         for t in range(1, 4):
             timing = results[(c, t)].last.timings
             if timing.prefix_predicted_tokens > SYSTEM_TOKENS:
