@@ -209,6 +209,12 @@ def test_2000_requests_at_concurrency_64_none_lost_memory_bounded(shared, model_
     n, concurrency, distinct, max_tokens = 2000, 64, 100, 4
     batch = U.prompts(distinct, seed=61, lo=6, hi=16)
     expected = U.reference(model_dir, batch, max_tokens, ENGINE)
+    # Workers run with two malloc arenas: with glibc's default (8 per core), freed memory piled
+    # up in per-thread arenas and a generation worker's RSS grew with every transfer.
+    for handle in shared.workers.values():
+        env = ray.get(handle.__ray_call__.remote(lambda self: os.environ.get("MALLOC_ARENA_MAX")),
+                      timeout=U.RAY_TIMEOUT_S)
+        assert env == "2"
     router_pid = ray.get(shared.router.debug_state.remote(), timeout=U.RAY_TIMEOUT_S)["pid"]
     pids = {"router": router_pid, **{w: s["pid"] for w, s in U.worker_statuses(shared).items()}}
     rss: dict[str, list[int]] = {name: [] for name in pids}
