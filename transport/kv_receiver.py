@@ -105,7 +105,8 @@ class _ReceiverPair:
         self.attempted = False  # an open of this endpoint finished (either way)
         self.stats = {"opens": 0, "open_failures": 0, "reissued": 0, "poisoned": 0}
         # seconds from issuing a KV request to its header arriving: the control message's
-        # trip plus the context side's queue (what the direct link shortens)
+        # trip plus the context side's queue (what the direct link shortens); appended and
+        # read under cond (the receive thread appends while status reads)
         self.first_byte_s: deque[float] = deque(maxlen=FIRST_BYTE_SAMPLES)
         # group -> why its PairOpen failed (the context side refused it, or the control call
         # failed): its rendezvous is abandoned at once. Only the group being opened is kept.
@@ -442,7 +443,8 @@ class _ReceiverPair:
             hdr = self.staging.header()
             op.deadline.wait(group.recv(hdr, wire_tag(d.seq, 0)), "header recv")
             header = WireHeader.from_ints(hdr.tolist())
-            self.first_byte_s.append(time.perf_counter() - op.issued_at)
+            with self.cond:  # pair_stats reads the samples under cond from another thread
+                self.first_byte_s.append(time.perf_counter() - op.issued_at)
             self._check(header, d)
             if header.status != WireStatus.OK:
                 sessions.fail(rid, f"context side answered {WireStatus(header.status).name}")
