@@ -8,6 +8,10 @@ Two rules shape the deltas a client receives:
   the beginning of a stop string is held back until the next tokens show it is not, so a client
   never receives part of a stop string.
 
+With ``include_stop`` (vLLM's include_stop_str_in_output) the text ends after the stop string
+instead. Before ``min_tokens`` tokens arrived no stop string is looked for (vLLM's rule: the
+text of those tokens is sent as it is).
+
 Invariant: ``sent`` (characters handed out) only grows, and the concatenated deltas are always a
 prefix of the final text.
 """
@@ -19,9 +23,12 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (), *,
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         self.decode = decode
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self.tokens: list[int] = []
         self.sent = 0
         self.stopped = False
@@ -33,7 +40,8 @@ class TextStream:
             return ""
         self.tokens.extend(tokens)
         text = self.decode(self.tokens)
-        if self.stop:
+        matching = bool(self.stop) and len(self.tokens) >= self.min_tokens
+        if matching:
             cut = self._first_stop(text)
             if cut is not None:
                 self.stopped = True
@@ -41,7 +49,8 @@ class TextStream:
         ready = len(text)
         while ready > self.sent and text[ready - 1] == REPLACEMENT:
             ready -= 1
-        ready -= self._held_for_stop(text[:ready])
+        if matching:
+            ready -= self._held_for_stop(text[:ready])
         return self._take(text, ready)
 
     def finish(self) -> str:
@@ -61,8 +70,11 @@ class TextStream:
     def _first_stop(self, text: str) -> int | None:
         # Text before `sent` holds no stop string and ends with no stop string's beginning
         # (both were checked when it was sent), so a match starts at `sent` or later.
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s)) for i, s in ((text.find(s, self.sent), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, length = min(hits)
+        return at + length if self.include_stop else at
 
     def _held_for_stop(self, text: str) -> int:
         """Length of the longest tail of ``text`` (after ``sent``) that begins a stop string."""

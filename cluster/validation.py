@@ -10,22 +10,25 @@ from typing import Sequence
 
 from pdserve.scheduler.reorder import ACCEPTED_AGENT_TYPE_NAMES
 
+from pdserve.transport.requests.sampling import (
+    MAX_LOGPROBS,
+    FieldError,
+    SamplingError,
+    SamplingLimits,
+    SamplingParams,
+)
+
 from .policies import DisaggregationMode
 
 DEFAULT_PRIORITY = 0.5
-DEFAULT_MAX_TOKENS = 16  # same default as pdserve.SamplingParams
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 
 
-class ValidationError(ValueError):
+class ValidationError(FieldError):
     """A malformed request; ``field`` is the dotted path of the offending field (the router maps
     this to gRPC INVALID_ARGUMENT with str(error) as the details)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,36 +40,58 @@ class ValidationLimits:
     max_stop_token_ids: int = 32
     max_stop_strings: int = 4  # OpenAI's limit
     max_stop_string_chars: int = 256
+    max_n: int = 16  # choices (and best_of candidates) per request
+    max_logprobs: int = MAX_LOGPROBS
     max_agent_depth: int = 8
     max_request_id_len: int = 128
     max_text_chars: int = 1 << 22  # before tokenization; the token limit is checked after it
     max_deadline_ms: int = 24 * 3600 * 1000
 
+    def sampling_limits(self) -> SamplingLimits:
+        return SamplingLimits(vocab_size=self.vocab_size, max_tokens_limit=self.max_tokens_limit,
+                              max_stop_token_ids=self.max_stop_token_ids,
+                              max_stop_strings=self.max_stop_strings,
+                              max_stop_string_chars=self.max_stop_string_chars,
+                              max_n=self.max_n, max_logprobs=self.max_logprobs)
+
 
 @dataclass(frozen=True, slots=True)
 class GenerateSpec:
-    """A Generate request as plain values with the API defaults applied (rpc.spec_from_proto
-    builds one from the proto message)."""
+    """A Generate request as plain values with the API defaults applied (the gRPC door and the
+    OpenAI door each build one). ``sampling`` is the record that travels on to the worker."""
 
     request_id: str | None = None
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one (OpenAI's rule)
+    sampling: SamplingParams = SamplingParams()
     priority: float = DEFAULT_PRIORITY
     agent_hierarchy: tuple[tuple[str, int], ...] = ()
     disaggregation: int = DisaggregationMode.AUTO
     deadline_ms: int | None = None
+    echo: bool = False  # the prompt's text (and logprobs) lead the output (OpenAI completions)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.sampling.stop
+
+
+def sampling_params(**fields) -> SamplingParams:
+    """Build the record, a range error raised as ``ValidationError`` naming ``sampling.<field>``
+    (how both doors build it)."""
+    try:
+        return SamplingParams(**fields)
+    except SamplingError as exc:
+        raise ValidationError(f"sampling.{exc.field}", exc.message) from None
+    except TypeError as exc:  # an unknown keyword: a door's bug, not the client's
+        raise ValidationError("sampling", str(exc)) from None
 
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
-_SEED_LIMIT = 1 << 63  # same range as pdserve.SamplingParams
+_SEED_LIMIT = 1 << 63  # node ids share the seed's range
 
 
 def _is_int(value: object) -> bool:
@@ -121,51 +146,19 @@ def validate_prompt(text: str | None, token_ids: Sequence[int] | None,
         validate_token_ids(token_ids, limits)  # type: ignore[arg-type]
 
 
-def validate_sampling(
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = DEFAULT_TEMPERATURE,
-    top_p: float = DEFAULT_TOP_P,
-    top_k: int = 0,
-    seed: int | None = None,
-    stop_token_ids: Sequence[int] = (),
-    limits: ValidationLimits = ValidationLimits(),
-    prompt_len: int | None = None,
-) -> None:
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ValidationError("sampling.max_tokens", f"must be an integer >= 1, got {max_tokens!r}")
-    if max_tokens > limits.max_tokens_limit:
-        raise ValidationError("sampling.max_tokens", f"{max_tokens} exceeds the limit "
-                              f"{limits.max_tokens_limit}")
+def validate_sampling(params: SamplingParams, limits: ValidationLimits = ValidationLimits(),
+                      prompt_len: int | None = None) -> None:
+    """The record's rules under the server's limits, and prompt + max_tokens against
+    max_seq_len."""
+    try:
+        params.validate(limits.sampling_limits())
+    except SamplingError as exc:
+        raise ValidationError(f"sampling.{exc.field}", exc.message) from None
+    max_tokens = params.max_tokens
     if (prompt_len is not None and limits.max_seq_len is not None
             and prompt_len + max_tokens > limits.max_seq_len):
         raise ValidationError("sampling.max_tokens", f"prompt ({prompt_len}) + max_tokens "
                               f"({max_tokens}) exceeds max_seq_len {limits.max_seq_len}")
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ValidationError("sampling.temperature", f"must be finite and >= 0, got {temperature!r}")
-    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:  # NaN fails the comparison
-        raise ValidationError("sampling.top_p", f"must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
-        raise ValidationError("sampling.top_k", f"must be an integer >= 0 (0 disables), got {top_k!r}")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
-        raise ValidationError("sampling.seed", f"must be in [0, 2**63), got {seed!r}")
-    if len(stop_token_ids) > limits.max_stop_token_ids:
-        raise ValidationError("sampling.stop_token_ids", f"more than {limits.max_stop_token_ids} ids")
-    upper = limits.vocab_size
-    for i, t in enumerate(stop_token_ids):
-        if not _is_int(t) or t < 0 or (upper is not None and t >= upper):
-            raise ValidationError(f"sampling.stop_token_ids[{i}]", f"token id {t!r} is outside "
-                                  f"[0, {upper})")
-
-
-def validate_stop_strings(stop: Sequence[str], limits: ValidationLimits = ValidationLimits()) -> None:
-    if len(stop) > limits.max_stop_strings:
-        raise ValidationError("sampling.stop", f"{len(stop)} stop strings; at most {limits.max_stop_strings}")
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not s:
-            raise ValidationError(f"sampling.stop[{i}]", "must be a non-empty string")
-        if len(s) > limits.max_stop_string_chars:
-            raise ValidationError(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
 
 
 def validate_priority(priority: float) -> None:
@@ -215,11 +208,10 @@ def validate_generate_spec(spec: GenerateSpec, limits: ValidationLimits = Valida
     """Every rule above, in field order; raises the first ValidationError."""
     validate_request_id(spec.request_id, limits)
     validate_prompt(spec.text, spec.token_ids, limits)
-    validate_sampling(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                      top_k=spec.top_k, seed=spec.seed, stop_token_ids=spec.stop_token_ids,
-                      limits=limits,
+    if not isinstance(spec.sampling, SamplingParams):
+        raise ValidationError("sampling", "must be a SamplingParams record")
+    validate_sampling(spec.sampling, limits,
                       prompt_len=len(spec.token_ids) if spec.token_ids is not None else None)
-    validate_stop_strings(spec.stop, limits)
     validate_priority(spec.priority)
     validate_agent_hierarchy(spec.agent_hierarchy, limits)
     validate_disaggregation(spec.disaggregation)

@@ -75,6 +75,9 @@ class PrefixAnalyzer:
         appending (pause), which leaves the keys of its old prefix valid, so the cache is
         extended rather than rebuilt; a changed LoRA id rebuilds it."""
         lora = request.lora_task_id
+        salt = getattr(request, "cache_salt", None)
+        if salt is not None:  # its own key chain: it matches no one else's blocks
+            lora = (lora, salt)
         cache = getattr(request, "block_key_cache", None)
         if cache is None:
             cache = {}

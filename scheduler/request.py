@@ -121,6 +121,7 @@ class LlmRequest:
         "arrival_seq",
         "block_key_cache",
         "client_id",
+        "cache_salt",
     )
 
     def __init__(
@@ -154,6 +155,9 @@ class LlmRequest:
         self.max_new_tokens = max_new_tokens
         self.orig_max_new_tokens = max_new_tokens
         self.lora_task_id = lora_task_id
+        # Separates this request's cached prompt blocks from everyone's (vLLM's cache_salt): a
+        # salted prompt neither reuses nor is reused. None: the shared cache.
+        self.cache_salt: str | None = None
         self.priority = priority
         self.beam_width = beam_width
         self.draft_tokens = list(draft_tokens) if draft_tokens is not None else None

@@ -21,7 +21,8 @@ from .config import EngineConfig
 from .executor import Executor
 from .kv_pool import KVPool
 from .loader import LoadedModel, load_model, resolve_dtype
-from .sampling import SamplingParams
+from .sampling import SamplingLimits, SamplingParams
+from pdserve.transport.requests.sampling import bad_words_to_token_ids
 from .transceiver import KVTransceiver
 
 Prompt = str | Sequence[int]
@@ -40,6 +41,10 @@ class RequestOutput:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    # With SamplingParams.logprobs: TokenLogprobs per token of token_ids; with prompt_logprobs:
+    # one per prompt token after the first.
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def build_executor(
@@ -145,11 +150,17 @@ class LLMEngine:
         priority: float = 0.5,
     ) -> int:
         params = params or SamplingParams()
+        params.validate(SamplingLimits(vocab_size=self.loaded.config.vocab_size))
+        if params.bad_words:
+            params = params.replace(bad_words_token_ids=bad_words_to_token_ids(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids))
+        if params.candidates > 1:
+            raise ValueError("n: more than one choice per prompt is not supported offline yet")
         ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else int(request_id)
         request = LlmRequest(rid, ids, params.max_tokens, priority=priority)
         self.executor.add_request(request, params)
-        self._outputs[rid] = RequestOutput(rid, ids)
+        self._outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -169,6 +180,10 @@ class LLMEngine:
     def _apply(self, update: WireUpdate) -> RequestOutput:
         out = self._outputs[update.request_id]
         out.token_ids.extend(update.new_token_ids)
+        if update.logprobs and out.logprobs is not None:
+            out.logprobs.extend(update.logprobs)
+        if update.prompt_logprobs is not None:
+            out.prompt_logprobs = list(update.prompt_logprobs)
         if update.finished:
             out.finished = True
             out.finish_reason = update.outcome

@@ -32,12 +32,12 @@ from pdserve.scheduler import (
     lifecycle,
 )
 from pdserve.scheduler.reorder import insert_request_in_order
-from pdserve.transport.requests import ErrorKind, UpdateInfo, WireUpdate
+from pdserve.transport.requests import ErrorKind, TokenLogprobs, UpdateInfo, WireUpdate
 
 from .config import EngineConfig
 from .kv_pool import KVPool
 from .model.batch import SeqBatchInfo
-from .sampling import RequestSampler, SamplingParams, sample
+from .sampling import RequestSampler, SamplingLimits, SamplingParams, sample, token_logprobs
 from .events import WorkerEvents, label
 from .transceiver import KVTransceiver
 
@@ -71,6 +71,9 @@ class _Tracked:
     finish_reason: str | None = None
     deadline: float | None = None  # on the executor's clock
     stream_kv: bool = False  # context-only, layer-wise: its KV is sent while it prefills
+    # prompt_logprobs: the entries so far (one per prompt token after the first), None once
+    # sent with the first token (or when not asked for).
+    prompt_logprobs: list | None = None
 
 
 class Executor:
@@ -157,7 +160,7 @@ class Executor:
 
     def add_request(self, request: LlmRequest, params: SamplingParams, *,
                     deadline: float | None = None, forced_tokens: Sequence[int] = (),
-                    stream_kv: bool = False) -> None:
+                    stream_kv: bool = False, output_start: int | None = None) -> None:
         """Validates against the model and the pool; raises ValueError naming the field.
 
         ``deadline`` (on the executor's clock): past it the request is aborted with finish reason
@@ -165,10 +168,17 @@ class Executor:
         has for the positions right after the prompt (a retry whose continuation did not fit in
         max_input_len); they are regenerated as these tokens and not reported again. They count
         toward max_new_tokens. ``stream_kv``: a context-only request whose KV goes out layer by
-        layer while its last chunk is computed (the router's layer-wise mode)."""
+        layer while its last chunk is computed (the router's layer-wise mode). ``output_start``:
+        where the request's output begins in its tokens (a retry's prompt holds tokens it
+        generated before; penalties and min_tokens count from here); None: the prompt's end."""
         if request.request_id in self.tracked:
             raise ValueError(f"request_id {request.request_id} is already active")
-        params.validate(self.vocab_size)
+        params.validate(SamplingLimits.vocab_only(self.vocab_size))
+        if output_start is None:
+            output_start = request.prompt_len
+        if not 0 <= output_start <= request.prompt_len:
+            raise ValueError(f"output_start {output_start} is outside the prompt [0, "
+                             f"{request.prompt_len}]")
         forced = [int(t) for t in forced_tokens]
         if any(not 0 <= t < self.vocab_size for t in forced):
             raise ValueError(f"forced_tokens are outside the vocabulary [0, {self.vocab_size})")
@@ -191,8 +201,14 @@ class Executor:
             raise ValueError(
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
-        tracked = _Tracked(request, RequestSampler(params, self._device), params, forced,
-                           deadline=deadline, stream_kv=stream_kv)
+        sampler = RequestSampler(params, self._device, output_start=output_start,
+                                 eos_token_ids=tuple(self.eos_token_ids))
+        tracked = _Tracked(request, sampler, params, forced, deadline=deadline, stream_kv=stream_kv)
+        if params.prompt_logprobs is not None and not request.is_generation_only_request:
+            # Every prompt position is computed here: a cached prefix would skip some, so the
+            # request's blocks are salted out of the shared prefix cache (vLLM does the same).
+            tracked.prompt_logprobs = []
+            request.cache_salt = f"prompt-logprobs:{id(tracked):x}:{request.request_id}"
         if stream_kv and not request.is_context_only_request:
             raise ValueError("stream_kv is for context-only requests")
         if request.is_generation_only_request:
@@ -339,13 +355,13 @@ class Executor:
 
         for request, n in contexts:
             self.stats.context_tokens += n
-            token = tokens.get(request.request_id)
+            token, logprobs = tokens.get(request.request_id, (None, None))
             if lifecycle.complete_context_chunk(request, self.kv, token):
-                updates.append(self._after_token(request, token))
+                updates.append(self._after_token(request, token, logprobs))
         for request in out.generation_requests:
-            token = tokens[request.request_id]
+            token, logprobs = tokens[request.request_id]
             lifecycle.complete_generation_step(request, token)
-            updates.append(self._after_token(request, token))
+            updates.append(self._after_token(request, token, logprobs))
         self.stats.steps += 1
         return updates
 
@@ -474,9 +490,10 @@ class Executor:
     def _forward_and_sample(
         self, contexts: list[tuple[LlmRequest, int]], generation: list[LlmRequest],
         streams: Sequence[LlmRequest] = (),
-    ) -> dict[int, int]:
+    ) -> dict[int, tuple[int, TokenLogprobs | None]]:
         """One forward over the flat batch [context chunks..., decode tokens...]; returns the
-        sampled token of every sequence that produces one this step."""
+        sampled token (and its logprobs, when asked) of every sequence that produces one this
+        step."""
         input_ids: list[int] = []
         seqs: list[SeqBatchInfo] = []
         producing: list[tuple[int, LlmRequest]] = []  # (row in seqs, request)
@@ -498,21 +515,49 @@ class Executor:
         stream_ids = [r.request_id for r in streams]
         on_layer = self._layer_done(stream_ids) if stream_ids else None
 
+        # Context chunks whose request wants prompt logprobs need every row's logits.
+        prompt_rows = [(request, seqs[i]) for i, (request, _) in enumerate(contexts)
+                       if self.tracked[request.request_id].prompt_logprobs is not None]
         t0 = time.perf_counter()
         ids = torch.tensor(input_ids, dtype=torch.long, device=self._device)
-        logits = self.model.forward(ids, None, seqs, self.kv_pool,
-                                    on_layer=on_layer)  # [len(seqs), V]
+        logits = self.model.forward(ids, None, seqs, self.kv_pool, all_logits=bool(prompt_rows),
+                                    on_layer=on_layer)  # [len(seqs), V], or [T, V]
         self.stats.forward_seconds += time.perf_counter() - t0
+        if prompt_rows:
+            full = logits
+            last = torch.tensor([s.start + s.num_new_tokens - 1 for s in seqs], dtype=torch.long,
+                                device=full.device)
+            logits = full.index_select(0, last)
+            for request, seq in prompt_rows:
+                self._note_prompt_logprobs(request, full[seq.start:seq.start + seq.num_new_tokens],
+                                           seq.past_len)
         if not producing:
             return {}
         rows = torch.tensor([row for row, _ in producing], dtype=torch.long, device=logits.device)
-        sampled = sample(
+        sampled, logprobs = sample(
             logits.index_select(0, rows), [self.tracked[r.request_id].sampler for _, r in producing],
-            [r.get_num_tokens(0) for _, r in producing],  # the sampled token's position
+            [r.get_tokens(0) for _, r in producing],
         )
-        return {r.request_id: tok for (_, r), tok in zip(producing, sampled)}
+        return {r.request_id: (tok, lp) for (_, r), tok, lp in zip(producing, sampled, logprobs)}
 
-    def _after_token(self, request: LlmRequest, token: int) -> WireUpdate:
+    def _note_prompt_logprobs(self, request: LlmRequest, rows: torch.Tensor, past: int) -> None:
+        """Row j of ``rows`` predicted the token at position past + j + 1: a prompt token's
+        logprob while that position is inside the original prompt."""
+        tracked = self.tracked[request.request_id]
+        k = tracked.params.prompt_logprobs
+        tokens = request.get_tokens(0)
+        end = min(rows.shape[0], request.orig_prompt_len - 1 - past)
+        if end <= 0:
+            return
+        lp = torch.log_softmax(rows[:end].float(), dim=-1)
+        entries = tracked.prompt_logprobs
+        for j in range(end):
+            position = past + j + 1
+            if position - 1 == len(entries):  # each position once (a recompute repeats them)
+                entries.append(token_logprobs(lp[j], tokens[position], k))
+
+    def _after_token(self, request: LlmRequest, token: int,
+                     logprobs: TokenLogprobs | None = None) -> WireUpdate:
         """Stop checks after a token was appended; finished requests free their KV."""
         tracked = self.tracked[request.request_id]
         self.stats.generated_tokens += 1
@@ -525,6 +570,13 @@ class Executor:
             generated[-1] = token
         new = generated[len(tracked.emitted) :]
         tracked.emitted.extend(new)
+        if tracked.sampler.matcher is not None:
+            tracked.sampler.matcher.accept(token)
+        # Logprobs go with a token the client has not seen (a forced one was reported before).
+        lps = (logprobs,) if logprobs is not None and new else None
+        plps = None
+        if tracked.prompt_logprobs is not None:  # sent once, with the first token
+            plps, tracked.prompt_logprobs = tuple(tracked.prompt_logprobs), None
         reason = None
         if token in self.eos_token_ids and not tracked.params.ignore_eos:
             reason = "stop"
@@ -540,7 +592,8 @@ class Executor:
             self._untrack(request.request_id)
             info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
-            return WireUpdate.context_done(request.request_id, new, params, info)
+            return WireUpdate.context_done(request.request_id, new, params, info, logprobs=lps,
+                                           prompt_logprobs=plps)
         if self.transceiver is not None and request.request_id in self.transceiver.streaming:
             # A layer-wise context request that ended at its first token: its send may be in
             # flight, so its blocks are freed only once the data plane is quiet.
@@ -550,21 +603,24 @@ class Executor:
             info = self._request_info(request)
             self.transceiver.end_stream(request, f"the request finished ({reason})")
             self.stats.finished += 1
-            return WireUpdate.finished_with(request.request_id, new, reason, info)
+            return WireUpdate.finished_with(request.request_id, new, reason, info, logprobs=lps,
+                                            prompt_logprobs=plps)
         if reason is None:
             received = self.transceiver.received if self.transceiver is not None else None
             if received and request.request_id in received:
                 # The first decode after a receive tells the router how the KV arrived; the
                 # finishing update then reports 0 bytes more (the router adds them up).
-                return WireUpdate.tokens(request.request_id, new, self._transfer_info(request))
-            return WireUpdate.tokens(request.request_id, new)
+                return WireUpdate.tokens(request.request_id, new, self._transfer_info(request),
+                                         logprobs=lps, prompt_logprobs=plps)
+            return WireUpdate.tokens(request.request_id, new, logprobs=lps, prompt_logprobs=plps)
         tracked.finish_reason = reason
         self.active.remove(request)
         self._untrack(request.request_id)
         info = self._request_info(request)
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
-        return WireUpdate.finished_with(request.request_id, new, reason, info)
+        return WireUpdate.finished_with(request.request_id, new, reason, info, logprobs=lps,
+                                        prompt_logprobs=plps)
 
     def _request_info(self, request: LlmRequest) -> UpdateInfo:
         moved = self._transfer_info(request)

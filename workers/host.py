@@ -42,7 +42,6 @@ from pdserve.transport.requests import (
 
 from .config import EngineConfig
 from .executor import Executor
-from .sampling import SamplingParams
 from .kv_control import ControlPlane, KVControl
 
 log = logging.getLogger("pdserve.worker")
@@ -169,7 +168,7 @@ class WorkerHost:
         rid = wire.request_id
         try:
             request = wire.to_llm_request()
-            params = SamplingParams(**{f: getattr(wire.sampling, f) for f in _SAMPLING_FIELDS})
+            params = wire.sampling
         except (ValueError, TypeError) as exc:
             sink(WireUpdate.failed(rid, ErrorKind.REJECTED, f"{type(exc).__name__}: {exc}"))
             return False
@@ -183,7 +182,8 @@ class WorkerHost:
                 try:
                     self.executor.add_request(request, params, deadline=deadline,
                                               forced_tokens=wire.forced_tokens,
-                                              stream_kv=wire.stream_kv)
+                                              stream_kv=wire.stream_kv,
+                                              output_start=wire.output_start)
                 except ValueError as exc:
                     sink(WireUpdate.failed(rid, ErrorKind.REJECTED, str(exc)))
                 except Exception as exc:  # refused for another reason: the loop goes on
@@ -466,7 +466,5 @@ def worker_status(ex: Executor, worker_id: str, role: str, config: EngineConfig,
         violations=s["violations"], events=ex.events.drain() if drain_events else [])
 
 
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids",
-                    "ignore_eos")
 _TRANSFER_FIELDS = ("sent", "received", "failed", "bytes_sent", "bytes_received", "seconds",
                     "outcomes")

@@ -37,4 +37,10 @@ class FrontDoorApi(Protocol):
         """A text's token ids, as admission tokenizes them; raises ``ValidationError`` naming
         ``field``."""
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (logprobs name tokens with it)."""
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens included."""
+
     def add_health_listener(self, listener: Callable[[bool], Awaitable[None] | None]) -> None: ...

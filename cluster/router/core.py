@@ -34,11 +34,12 @@ from pdserve.cluster import policies as P
 from pdserve.cluster import validation as V
 from pdserve.cluster.text_stream import TextStream
 from pdserve.scheduler import AgentTreePolicy, LlmRequest
-from pdserve.transport.requests import UpdateInfo, WorkerInfo
+from pdserve.transport.requests import UpdateInfo, WireUpdate, WorkerInfo
+from pdserve.transport.requests.sampling import SamplingParams, bad_words_to_token_ids
 
 from .config import RouterConfig
 from .counters import RouterCounters
-from .dispatch import Dispatcher, Routing, sampling_of
+from .dispatch import Dispatcher, Routing
 from .errors import Failure, RouterError, RouterErrorKind, StopStringReached
 from .outputs import (
     ClusterSnapshot,
@@ -78,6 +79,7 @@ class Router:
         """``workers``: worker id -> Ray actor handle; ``infos``: their ``info()``."""
         self.config = config
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}
         self.registry = WorkerRegistry(config, workers, infos)
         if not self.registry.gen_ids:
             raise ValueError("the router needs at least one generation worker")
@@ -148,6 +150,7 @@ class Router:
         try:
             V.validate_generate_spec(spec, self.limits)
             prompt = await self._prompt_ids(spec)
+            sampling = self._resolve_bad_words(spec.sampling)
         except V.ValidationError as exc:
             self.counters.count("rejected")
             raise RouterError(RouterErrorKind.INVALID_ARGUMENT, str(exc), exc.field, exc.message) from None
@@ -169,8 +172,10 @@ class Router:
         internal = next(self._ids)
         entry = LlmRequest(internal, prompt, spec.max_tokens, priority=spec.priority,
                            agent_hierarchy=list(spec.agent_hierarchy) or None)
-        req = RouterRequest(internal, external, spec, prompt, sampling_of(spec), entry, now,
-                            now + budget, TextStream(self._decode_text, spec.stop))
+        req = RouterRequest(internal, external, spec, prompt, sampling, entry, now,
+                            now + budget, TextStream(self._decode_text, spec.stop,
+                                       include_stop=sampling.include_stop_str_in_output,
+                                       min_tokens=sampling.min_tokens))
         self.queue.add(req)
         self.counters.count("received")
         self.dispatcher.dispatch_ready()
@@ -204,6 +209,16 @@ class Router:
             if not finished and not req.cancelled:
                 self.cancel(req, "client went away")  # also the path for client cancellation
             self.queue.forget(req)
+
+    def _resolve_bad_words(self, sampling: SamplingParams) -> SamplingParams:
+        """The bad words as token sequences, with the model's tokenizer (vLLM's rule)."""
+        if not sampling.bad_words:
+            return sampling
+        ids = bad_words_to_token_ids(sampling.bad_words, self._encode)
+        if self.limits.vocab_size is not None and any(t >= self.limits.vocab_size
+                                                      for seq in ids for t in seq):
+            raise V.ValidationError("sampling.bad_words", "encodes to ids outside the vocabulary")
+        return sampling.replace(bad_words_token_ids=ids)
 
     async def _prompt_ids(self, spec: V.GenerateSpec) -> list[int]:
         if spec.token_ids is not None:
@@ -241,13 +256,28 @@ class Router:
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (how logprobs name tokens)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < 1 << 18:
+                self._token_texts[token_id] = text
+        return text
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     # ------------------------------------------------------------------ responses (Responder)
 
     async def emit(self, req: RouterRequest, tokens: list[int], finish_reason: str | None,
-                   info: UpdateInfo | None) -> None:
+                   info: UpdateInfo | None, update: WireUpdate | None = None) -> None:
         """Stream tokens to the client; with ``finish_reason`` the request completes. A stop
         string in the text completes it too: its live attempts are aborted and
-        StopStringReached ends the attempt loop."""
+        StopStringReached ends the attempt loop. ``update``: the worker's update the tokens
+        came in (its logprobs go along)."""
+        logprobs = update.logprobs if update is not None else None
+        prompt_logprobs = update.prompt_logprobs if update is not None else None
         now = time.monotonic()
         if tokens and req.first_token is None:
             req.first_token = now
@@ -259,13 +289,13 @@ class Router:
         if req.text.stopped:
             finish_reason = "stop"
         if finish_reason is None:
-            if tokens:
-                await req.out.put(token_output(req, tokens, text))
+            if tokens or prompt_logprobs:
+                await req.out.put(token_output(req, tokens, text, logprobs, prompt_logprobs))
             return
         text += req.text.finish()
         self.counters.count_completed(req, now - req.received)
         req.move(Phase.DONE)
-        await req.out.put(final_output(req, tokens, finish_reason, text))
+        await req.out.put(final_output(req, tokens, finish_reason, text, logprobs, prompt_logprobs))
         if not worker_finished:
             # A stop string ended the request while a worker still generates: end its attempts
             # (the context attempt's KV lease included). Removed from req.attempts first, so no

@@ -43,7 +43,6 @@ from pdserve.transport.requests import (
     UpdateInfo,
     UpdateKind,
     WireRequest,
-    WireSampling,
     WireUpdate,
 )
 
@@ -71,7 +70,7 @@ class Responder(Protocol):
     """Where a request's outputs go (the router core; the front doors read them from there)."""
 
     async def emit(self, req: RouterRequest, tokens: list[int], finish_reason: str | None,
-                   info: UpdateInfo | None) -> None: ...
+                   info: UpdateInfo | None, update: WireUpdate | None = None) -> None: ...
 
     async def fail(self, req: RouterRequest, kind: RouterErrorKind, message: str) -> None: ...
 
@@ -317,7 +316,7 @@ class Dispatcher:
         if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
             # Ended on the context worker (a stop token, or it was all the client asked for).
             await self._drop(gen_task, gen_id, gen_wire)
-            await self.responder.emit(req, first, last.finish_reason or "length", last.info)
+            await self.responder.emit(req, first, last.finish_reason or "length", last.info, last)
             return
         # The context attempt's KV stays leased until the generation side has it: an attempt
         # that ends any other way (failure, cancel, a stop string in the first token) gives
@@ -326,7 +325,7 @@ class Dispatcher:
         req.attempts.append(leased)
         done = False
         try:
-            await self.responder.emit(req, first, None, last.info)
+            await self.responder.emit(req, first, None, last.info, last)
             req.move(Phase.TRANSFER)
             if gen_task is None:
                 gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY,
@@ -382,7 +381,8 @@ class Dispatcher:
                     req.move(Phase.DECODE)
                 if update.finished and req.local_prefill and update.info is not None:
                     req.reused_tokens = update.info.cached_tokens
-                await self.responder.emit(req, update.new_token_ids, update.finish_reason, update.info)
+                await self.responder.emit(req, update.new_token_ids, update.finish_reason, update.info,
+                                          update)
         self._check_final(last, f"generation worker {gen_id}", req)
 
     @staticmethod
@@ -408,10 +408,14 @@ class Dispatcher:
         return WireRequest(
             next(self.attempt_ids), req.external_id, prompt, max_tokens, req.spec.priority,
             kind, list(req.spec.agent_hierarchy) or None, params,
-            WireSampling(**{**req.sampling, "max_tokens": max_tokens}),
+            # The prompt's logprobs go with the first token: a retry after it does not redo them.
+            req.sampling.replace(max_tokens=max_tokens,
+                                 prompt_logprobs=None if req.streamed else req.sampling.prompt_logprobs),
             # The worker's own deadline for the attempt: it frees everything once it passes.
             # It trails the router's, so the router answers DEADLINE_EXCEEDED (and aborts) first.
-            max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S, tuple(forced))
+            max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S, tuple(forced),
+            # A retry's prompt may hold streamed tokens: the output starts after the client's.
+            output_start=len(req.prompt))
 
     async def _stream(self, req: RouterRequest, worker_id: str, wire: WireRequest):
         """A worker's updates for one attempt, over its request channel. An attempt waits as
@@ -458,11 +462,3 @@ class Dispatcher:
             channel.forget(attempt)
             if (worker_id, attempt) in req.attempts:
                 req.attempts.remove((worker_id, attempt))
-
-
-def sampling_of(spec: V.GenerateSpec) -> dict:
-    """The request's sampling fields (WireSampling's, max_tokens set per attempt)."""
-    return {"temperature": spec.temperature, "top_k": spec.top_k, "top_p": spec.top_p,
-            "seed": spec.seed, "stop_token_ids": tuple(spec.stop_token_ids),
-            "ignore_eos": spec.ignore_eos}
-

@@ -50,13 +50,20 @@ class RouterOutput:
     finish_reason: str | None = None
     timings: RequestTimings | None = None
     usage: RequestUsage | None = None
+    # TokenLogprobs per token of token_ids (when the request asked for logprobs), and the
+    # prompt's (prompt_logprobs), once, on the first output.
+    logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
 
 
-def token_output(req: RouterRequest, tokens: list[int], text: str) -> RouterOutput:
-    return RouterOutput(req.external_id, tokens, text)
+def token_output(req: RouterRequest, tokens: list[int], text: str, logprobs=None,
+                 prompt_logprobs=None) -> RouterOutput:
+    return RouterOutput(req.external_id, tokens, text, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
 
 
-def final_output(req: RouterRequest, tokens: list[int], finish_reason: str, text: str = "") -> RouterOutput:
+def final_output(req: RouterRequest, tokens: list[int], finish_reason: str, text: str = "",
+                 logprobs=None, prompt_logprobs=None) -> RouterOutput:
     now = time.monotonic()
     timings = RequestTimings(
         queue_ms=1000 * ((req.dispatched or now) - req.received),
@@ -68,7 +75,8 @@ def final_output(req: RouterRequest, tokens: list[int], finish_reason: str, text
         prefix_reused_tokens=req.reused_tokens or 0)
     usage = RequestUsage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
                          cached_prompt_tokens=req.cached_tokens)
-    return RouterOutput(req.external_id, tokens, text, finish_reason, timings, usage)
+    return RouterOutput(req.external_id, tokens, text, finish_reason, timings, usage, logprobs,
+                        prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)

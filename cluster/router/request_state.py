@@ -23,6 +23,7 @@ from pdserve.cluster import validation as V
 from pdserve.cluster.text_stream import TextStream
 from pdserve.scheduler import LlmRequest
 from pdserve.transport.requests import UpdateInfo
+from pdserve.transport.requests.sampling import SamplingParams
 
 
 class Phase(enum.StrEnum):
@@ -54,7 +55,7 @@ class RouterRequest:
     external_id: str
     spec: V.GenerateSpec
     prompt: list[int]
-    sampling: dict
+    sampling: SamplingParams  # the spec's record, bad words resolved to token ids
     queue_entry: LlmRequest  # the reorder policies' view of this request
     received: float
     deadline: float  # time.monotonic()

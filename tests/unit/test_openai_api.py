@@ -37,9 +37,9 @@ def test_a_full_completion_request_maps_every_field():
                "agent_hierarchy": [{"agent_type": "AgentDeepResearch", "node_id": 4}],
                "disaggregation": "never", "deadline_ms": 5000, "n": 1, "best_of": 1, "echo": False,
                "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None})
-    s = p.spec
-    assert (s.text, s.token_ids, s.max_tokens, s.temperature, s.top_p, s.seed) == ("hi", None, 7, 0, 0.5, 3)
-    assert (s.stop, s.top_k, s.ignore_eos, s.stop_token_ids) == (("\n",), 20, True, (2,))
+    s, r = p.spec, p.spec.sampling
+    assert (s.text, s.token_ids, r.max_tokens, r.temperature, r.top_p, r.seed) == ("hi", None, 7, 0, 0.5, 3)
+    assert (r.stop, r.top_k, r.ignore_eos, r.stop_token_ids) == (("\n",), 20, True, (2,))
     assert (s.priority, s.agent_hierarchy, s.deadline_ms) == (0.9, (("AgentDeepResearch", 4),), 5000)
     assert s.disaggregation == DisaggregationMode.NEVER
     assert p.stream and p.include_usage and p.kind == COMPLETIONS
@@ -48,8 +48,8 @@ def test_a_full_completion_request_maps_every_field():
 
 def test_defaults_are_openais():
     p = parse({"prompt": [5, 6]})  # model may be left out: the served one
-    s = p.spec
-    assert (s.token_ids, s.max_tokens, s.temperature, s.top_p, s.top_k) == ((5, 6), 16, 1.0, 1.0, 0)
+    s, r = p.spec, p.spec.sampling
+    assert (s.token_ids, r.max_tokens, r.temperature, r.top_p, r.top_k) == ((5, 6), 16, 1.0, 1.0, 0)
     assert not p.stream and not p.include_usage and s.stop == () and s.request_id is None
 
 
@@ -62,18 +62,23 @@ def test_prompt_forms(prompt, text, ids):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": 1}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    ({"prompt": "x", "logit_bias": {"five": 10}}, "logit_bias['five']"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "x", "n": True}, "n"),  # true is not 1
-    ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "bad_words": ["ok", 3]}, "bad_words[1]"),
     ({"prompt": "x", "tools": []}, "tools"),  # a chat field on the completions endpoint
-    ({"prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty"),  # unknown
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "no_such_field": 1}, "no_such_field"),  # unknown
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": "x", "stream": True, "stream_options": {"other": 1}}, "stream_options.other"),
@@ -96,13 +101,15 @@ def test_unsupported_or_malformed_fields_are_refused_by_name(body, param):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # no logprobs
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
+     "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": False}, "echo"),  # completions only
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
@@ -135,6 +142,8 @@ def test_an_unknown_model_is_404():
     assert err.status == 404 and err.param == "model" and err.body()["error"]["code"] == "model_not_found"
 
 
+# The sampling record checks its own ranges as the door builds it (the same rules and messages as
+# gRPC's): the 400 names the body field.
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
@@ -142,9 +151,18 @@ def test_an_unknown_model_is_404():
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -2}, "top_k"),
     ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "stop": [""]}, "stop[0]"),
+])
+def test_sampling_values_are_refused_as_the_record_is_built(body, param):
+    err = refused(body)
+    assert err.status == 400 and err.param == param and err.message.startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("body, param", [
     ({"prompt": [1, 999]}, "prompt"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"prompt": "x", "stop": [""]}, "stop[0]"),
+    ({"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias[300]"),  # outside the vocabulary
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # over max_tokens (16)
     ({"prompt": "x", "priority": 2}, "priority"),
     ({"prompt": "x", "deadline_ms": 0}, "deadline_ms"),
     ({"prompt": "x", "disaggregation": 7}, "disaggregation"),

@@ -39,8 +39,10 @@ from pdserve.cluster.validation import (
     GenerateSpec,
     ValidationError,
     ValidationLimits,
+    sampling_params,
     validate_generate_spec,
 )
+from pdserve.transport.requests.sampling import SamplingParams
 
 CTX, GEN = WorkerRole.CONTEXT, WorkerRole.GENERATION
 TPB = 4
@@ -395,15 +397,23 @@ def test_retry_does_not_advance_round_robin():
 LIMITS = ValidationLimits(vocab_size=1000, max_input_len=64, max_seq_len=100, max_tokens_limit=80,
                           max_stop_token_ids=4, max_agent_depth=3, max_request_id_len=16,
                           max_text_chars=50, max_deadline_ms=60_000)
-GOOD = GenerateSpec(request_id="req-1", token_ids=(1, 2, 3), max_tokens=8, temperature=0.7, top_p=0.9,
-                    top_k=5, seed=7, stop_token_ids=(2,), priority=0.5,
-                    agent_hierarchy=(("AgentDeepResearch", 3), ("researcher", 0)),
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop"}
+GOOD_SAMPLING = dict(max_tokens=8, temperature=0.7, top_p=0.9, top_k=5, seed=7, stop_token_ids=(2,))
+GOOD = GenerateSpec(request_id="req-1", token_ids=(1, 2, 3), sampling=SamplingParams(**GOOD_SAMPLING),
+                    priority=0.5, agent_hierarchy=(("AgentDeepResearch", 3), ("researcher", 0)),
                     disaggregation=DisaggregationMode.ALWAYS, deadline_ms=1000)
 
 
 def spec(**kw) -> GenerateSpec:
+    """GOOD with some fields changed; sampling fields go into the record, built as the doors
+    build it (its own range errors are ValidationErrors naming sampling.<field>)."""
     fields = {f: getattr(GOOD, f) for f in GOOD.__dataclass_fields__}
+    sampling = dict(GOOD_SAMPLING)
+    for name in list(kw):
+        if name in SAMPLING_FIELDS:
+            sampling[name] = kw.pop(name)
     fields.update(kw)
+    fields["sampling"] = sampling_params(**sampling)
     return GenerateSpec(**fields)
 
 

@@ -22,10 +22,27 @@ params = st.builds(
     opaque_state=st.none() | st.binary(max_size=40), draft_tokens=st.none() | tokens,
     prompt_token_ids=st.none() | tokens, ctx_worker_id=st.none() | text, num_blocks=st.integers(0, 100))
 finite = st.floats(0, 1e6, allow_nan=False)
-sampling = st.builds(R.WireSampling, max_tokens=st.integers(1, 4096), temperature=finite,
-                     top_k=st.integers(0, 100), top_p=st.floats(0.01, 1.0), seed=st.none() | ints,
-                     stop_token_ids=st.lists(st.integers(0, 1000), max_size=4).map(tuple),
-                     ignore_eos=st.booleans())
+# The sampling record: every field, any valid value (the codec carries it as a map).
+sampling = st.builds(
+    R.SamplingParams, n=st.integers(1, 4), best_of=st.none() | st.integers(4, 8),
+    max_tokens=st.integers(1, 4096), min_tokens=st.integers(0, 8), temperature=finite,
+    top_k=st.integers(0, 100), top_p=st.floats(0.01, 1.0), min_p=st.floats(0, 1),
+    presence_penalty=st.floats(-2, 2), frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.floats(0.01, 5), seed=st.none() | ints,
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=2).map(tuple),
+    stop_token_ids=st.lists(st.integers(0, 1000), max_size=4).map(tuple),
+    include_stop_str_in_output=st.booleans(), ignore_eos=st.booleans(),
+    logit_bias=st.dictionaries(st.integers(0, 1000), st.floats(-100, 100), max_size=3),
+    bad_words=st.lists(st.text(min_size=1, max_size=4).filter(str.strip), max_size=2).map(tuple),
+    bad_words_token_ids=st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=3).map(tuple),
+                                 max_size=2).map(tuple),
+    logprobs=st.none() | st.integers(0, 20), prompt_logprobs=st.none() | st.integers(0, 20),
+    guided=st.none() | st.tuples(st.sampled_from(["json_object", "regex"]), st.text(max_size=8)))
+lp_floats = st.floats(-1e4, 0, allow_nan=False)
+logprob_entries = st.none() | st.lists(st.builds(
+    R.TokenLogprobs, st.integers(0, 10**6), lp_floats, st.integers(1, 10**6),
+    st.lists(st.tuples(st.integers(0, 10**6), lp_floats), max_size=3).map(tuple)), max_size=3).map(
+    lambda v: None if v is None else tuple(v))
 wire_requests = st.builds(
     R.WireRequest, request_id=ints, client_id=st.none() | text, prompt=tokens,
     max_new_tokens=st.integers(0, 4096), priority=st.floats(0, 1),
@@ -34,16 +51,19 @@ wire_requests = st.builds(
                                                    st.integers(0, 9)), max_size=3),
     context_phase_params=st.none() | params, sampling=sampling,
     deadline_s=st.none() | finite, forced_tokens=st.lists(st.integers(0, 1000), max_size=3).map(tuple),
-    stream_kv=st.booleans())
+    stream_kv=st.booleans(), output_start=st.none() | st.integers(0, 40))
 infos = st.none() | st.builds(R.UpdateInfo, pauses=st.integers(0, 9), kv_transfer_bytes=ints,
                               kv_transfer_seconds=finite, kv_transfer_blocks=st.none() | st.integers(0, 99),
                               cached_tokens=st.integers(0, 999))
 small = st.lists(st.integers(0, 1000), max_size=5)
 updates = st.one_of(
-    st.builds(R.WireUpdate.tokens, ints, small, infos),
-    st.builds(R.WireUpdate.context_done, ints, small, params, infos),
+    st.builds(R.WireUpdate.tokens, ints, small, infos, logprobs=logprob_entries,
+              prompt_logprobs=logprob_entries),
+    st.builds(R.WireUpdate.context_done, ints, small, params, infos, logprobs=logprob_entries,
+              prompt_logprobs=logprob_entries),
     st.builds(R.WireUpdate.context_streaming, ints, params),
-    st.builds(R.WireUpdate.finished_with, ints, small, st.sampled_from(R.FINISH_REASONS), infos),
+    st.builds(R.WireUpdate.finished_with, ints, small, st.sampled_from(R.FINISH_REASONS), infos,
+              logprobs=logprob_entries),
     st.builds(R.WireUpdate.aborted, ints),
     st.builds(R.WireUpdate.failed, ints, st.sampled_from([e for e in R.ErrorKind if e != R.ErrorKind.NONE]), text),
 )
@@ -112,12 +132,19 @@ def test_a_truncated_frame_is_refused_whole_and_waits_in_a_stream(frame, data):
     ([], "non-empty"),
     ([99, 1], "unknown FrameType"),
     ([R.FrameType.ABORT, "7"], "abort.request_id"),
-    ([R.FrameType.GENERATE, 1, 2], "generate: expected 12 fields"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.FINISHED, [], None, None, 0, None, None], "finish_reason"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [], "stop", None, 0, None, None], "finish_reason"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.FAILED, [], None, None, 0, "x", None], "update.error"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.CONTEXT_DONE, [5], None, None, 0, None, None], "context_phase_params"),
-    ([R.FrameType.UPDATE, 1, 42, [], None, None, 0, None, None], "unknown UpdateKind"),
+    ([R.FrameType.GENERATE, 1, 2], "generate: expected 13 fields"),
+    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"top_p": 0}, None, [], False, None],
+     "generate.sampling.top_p"),
+    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"colour": 1}, None, [], False, None],
+     "generate.sampling.colour: unknown"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.FINISHED, [], None, None, 0, None, None, None, None], "finish_reason"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [], "stop", None, 0, None, None, None, None], "finish_reason"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.FAILED, [], None, None, 0, "x", None, None, None], "update.error"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.CONTEXT_DONE, [5], None, None, 0, None, None, None, None],
+     "context_phase_params"),
+    ([R.FrameType.UPDATE, 1, 42, [], None, None, 0, None, None, None, None], "unknown UpdateKind"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [5], None, None, 0, None, None, [[5, "x", 1, []]], None],
+     "update.logprobs"),
     ([R.FrameType.HEARTBEAT, {"worker_id": "w"}], "status"),
     ([R.FrameType.KV_EVENTS, 1, [[9]]], "unknown event"),
     ([R.FrameType.KV_EVENTS, 1, [[1, None, ["k"]]]], "stored.keys"),
@@ -153,6 +180,7 @@ def test_the_one_request_conversion_keeps_every_field(wire):
     request = wire.to_llm_request()
     back = R.WireRequest.from_llm_request(request, wire.sampling, deadline_s=wire.deadline_s,
                                           forced_tokens=wire.forced_tokens,
+                                          output_start=wire.output_start,
                                           stream_kv=wire.stream_kv)
     assert back == wire
 

@@ -142,8 +142,9 @@ def test_generate_request_round_trips():
     spec = spec_from_proto(back)
     assert spec.request_id == "req-7" and spec.text is None
     assert spec.token_ids == (1, 2, 3, 4_000_000_000)
-    assert (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k) == (12, 0.0, pytest.approx(0.9), 40)
-    assert spec.seed == 2**63 - 1 and spec.stop_token_ids == (2, 3) and spec.ignore_eos
+    r = spec.sampling
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k) == (12, 0.0, pytest.approx(0.9), 40)
+    assert r.seed == 2**63 - 1 and r.stop_token_ids == (2, 3) and r.ignore_eos
     assert spec.stop == ("\n\n", "END")
     assert spec.priority == 0.0  # explicitly set zero is kept, not replaced by the default
     assert spec.agent_hierarchy == (("AgentDeepResearch", 5), ("researcher", 0))
@@ -158,22 +159,41 @@ def test_unset_optional_fields_get_the_api_defaults():
         assert not back.sampling.HasField(name)
     spec = spec_from_proto(back)
     assert (spec.request_id, spec.text, spec.token_ids) == (None, "hello", None)
-    assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed) == (16, 1.0, 1.0, None)
+    r = spec.sampling
+    assert (r.max_tokens, r.temperature, r.top_p, r.seed) == (16, 1.0, 1.0, None)
+    assert (r.n, r.repetition_penalty, r.logprobs, r.prompt_logprobs, r.guided) == (1, 1.0, None, None, None)
     assert (spec.priority, spec.deadline_ms, spec.disaggregation) == (0.5, None, DisaggregationMode.AUTO)
     validate_generate_spec(spec)
 
 
 def test_explicit_zero_values_keep_their_presence():
     req = pb.GenerateRequest(text="x", request_id="", priority=0.0, deadline_ms=0,
-                             sampling=pb.SamplingParams(max_tokens=0, temperature=0.0, top_p=0.0, seed=0))
+                             sampling=pb.SamplingParams(temperature=0.0, seed=0, logprobs=0,
+                                                        repetition_penalty=1.0))
     back = pb.GenerateRequest.FromString(req.SerializeToString())
     assert back.HasField("request_id") and back.HasField("priority") and back.HasField("deadline_ms")
-    assert all(back.sampling.HasField(n) for n in ("max_tokens", "temperature", "top_p", "seed"))
+    assert all(back.sampling.HasField(n) for n in ("temperature", "seed", "logprobs"))
     spec = spec_from_proto(back)
     assert (spec.request_id, spec.priority, spec.deadline_ms) == ("", 0.0, 0)
-    assert (spec.max_tokens, spec.temperature, spec.top_p, spec.seed) == (0, 0.0, 0.0, 0)
+    r = spec.sampling
+    assert (r.temperature, r.seed, r.logprobs) == (0.0, 0, 0)  # logprobs 0: the sampled token's only
     back.ClearField("priority")
     assert not back.HasField("priority") and spec_from_proto(back).priority == 0.5
+
+
+def test_the_full_sampling_set_converts():
+    s = pb.SamplingParams(n=1, min_tokens=2, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
+                          repetition_penalty=1.2, include_stop_str_in_output=True,
+                          logit_bias={7: -100.0, 3: 2.5}, bad_words=["no"], logprobs=5,
+                          prompt_logprobs=1, structured=pb.StructuredOutput(regex="[a-z]+"))
+    r = spec_from_proto(pb.GenerateRequest(text="x", sampling=s)).sampling
+    assert (r.min_tokens, r.min_p, r.presence_penalty, r.frequency_penalty) == (2, pytest.approx(0.1), 0.5, -0.5)
+    assert r.repetition_penalty == pytest.approx(1.2) and r.include_stop_str_in_output
+    assert r.logit_bias == ((3, 2.5), (7, -100.0)) and r.bad_words == ("no",)
+    assert (r.logprobs, r.prompt_logprobs, r.guided) == (5, 1, ("regex", "[a-z]+"))
+    choice = pb.SamplingParams(structured=pb.StructuredOutput(choice=pb.ChoiceList(choices=["a", "b"])))
+    assert spec_from_proto(pb.GenerateRequest(text="x", sampling=choice)).sampling.guided == (
+        "choice", '["a", "b"]')
 
 
 def test_prompt_is_a_oneof():
@@ -193,6 +213,14 @@ def test_prompt_is_a_oneof():
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_k=-3)), "sampling.top_k"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(seed=2**63)), "sampling.seed"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logprobs=21)), "sampling.logprobs"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(logit_bias={50: 1.0})),
+         "sampling.logit_bias[50]"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(repetition_penalty=0.0)),
+         "sampling.repetition_penalty"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(n=2, best_of=1)), "sampling.best_of"),
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured=pb.StructuredOutput())),
+         "sampling.structured"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=list("abcde"))), "sampling.stop"),
         (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["ok", ""])), "sampling.stop[1]"),
         (pb.GenerateRequest(text="x", request_id=""), "request_id"),
@@ -208,8 +236,9 @@ def test_prompt_is_a_oneof():
     ],
 )
 def test_malformed_proto_requests_name_the_field(request_, field):
-    spec = spec_from_proto(pb.GenerateRequest.FromString(request_.SerializeToString()))
     with pytest.raises(ValidationError) as info:
+        # The sampling record refuses its own out-of-range values as it is built.
+        spec = spec_from_proto(pb.GenerateRequest.FromString(request_.SerializeToString()))
         validate_generate_spec(spec, ValidationLimits(vocab_size=50))
     assert info.value.field == field
 

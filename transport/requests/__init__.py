@@ -33,6 +33,7 @@ Decoding checks shapes and types and raises ``ProtocolError`` naming what is wro
 that sends one is cut off (the stream cannot be trusted after it).
 """
 from .codec import FrameReader, check_hello, decode_frame, encode_frame
+from .sampling import SamplingError, SamplingLimits, SamplingParams
 from .types import (
     FINISH_REASONS,
     MAX_FRAME_BYTES,
@@ -59,7 +60,7 @@ from .types import (
     UpdateInfo,
     UpdateKind,
     WireRequest,
-    WireSampling,
+    TokenLogprobs,
     WireUpdate,
     WorkerEvent,
     WorkerInfo,
@@ -70,7 +71,7 @@ __all__ = [
     "FINISH_REASONS", "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "ErrorKind", "Frame",
     "FrameReader", "FrameType", "Generate", "Heartbeat", "Hello", "HelloAck", "KvControl", "KvEvents", "KvPeers",
     "KvSnapshot", "KvSnapshotQuery", "ProtocolError",
-    "Refused", "StatusQuery", "StatusReply", "TransferTotals", "Update", "UpdateInfo",
-    "UpdateKind", "WireRequest", "WireSampling", "WireUpdate", "WorkerEvent", "WorkerInfo",
+    "Refused", "SamplingError", "SamplingLimits", "SamplingParams", "StatusQuery", "StatusReply", "TransferTotals", "Update", "UpdateInfo",
+    "UpdateKind", "WireRequest", "TokenLogprobs", "WireUpdate", "WorkerEvent", "WorkerInfo",
     "WorkerStatus", "check_hello", "decode_frame", "encode_frame",
 ]

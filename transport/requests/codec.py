@@ -13,6 +13,7 @@ from pdserve.scheduler.kv_events import AllCleared, BlocksRemoved, BlocksStored,
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequestType
 
 from . import types as T
+from .sampling import SamplingError, SamplingParams
 from .types import (
     FINISH_REASONS,
     PROTOCOL_VERSION,
@@ -38,7 +39,7 @@ from .types import (
     UpdateInfo,
     UpdateKind,
     WireRequest,
-    WireSampling,
+    TokenLogprobs,
     WireUpdate,
     WorkerEvent,
     WorkerStatus,
@@ -55,13 +56,10 @@ def _params(p: ContextPhaseParams | None) -> list | None:
 
 
 def _request(r: WireRequest) -> list:
-    s = r.sampling
     return [r.request_id, r.client_id, r.prompt, r.max_new_tokens, r.priority, int(r.type),
             [list(level) for level in r.agent_hierarchy] if r.agent_hierarchy is not None else None,
-            _params(r.context_phase_params),
-            [s.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, list(s.stop_token_ids),
-             s.ignore_eos],
-            r.deadline_s, list(r.forced_tokens), r.stream_kv]
+            _params(r.context_phase_params), r.sampling.to_wire(),
+            r.deadline_s, list(r.forced_tokens), r.stream_kv, r.output_start]
 
 
 def _info(i: UpdateInfo | None) -> list | None:
@@ -73,7 +71,28 @@ def _info(i: UpdateInfo | None) -> list | None:
 
 def _update(u: WireUpdate) -> list:
     return [u.request_id, int(u.kind), u.new_token_ids, u.finish_reason,
-            _params(u.context_phase_params), int(u.error), u.message, _info(u.info)]
+            _params(u.context_phase_params), int(u.error), u.message, _info(u.info),
+            _logprobs(u.logprobs), _logprobs(u.prompt_logprobs)]
+
+
+def _logprobs(entries: tuple[TokenLogprobs, ...] | None) -> list | None:
+    if entries is None:
+        return None
+    return [[e.token_id, e.logprob, e.rank, [list(t) for t in e.top]] for e in entries]
+
+
+def _logprobs_from(v: Any, what: str) -> tuple[TokenLogprobs, ...] | None:
+    if v is None:
+        return None
+    _check(type(v) is list, f"{what}: expected a list or nil")
+    out = []
+    for e in v:
+        _check(type(e) is list and len(e) == 4 and type(e[0]) is int and type(e[1]) is float
+               and type(e[2]) is int and type(e[3]) is list
+               and all(type(t) is list and len(t) == 2 and type(t[0]) is int and type(t[1]) is float
+                       for t in e[3]), f"{what}: bad entry")
+        out.append(TokenLogprobs(e[0], e[1], e[2], tuple((t[0], t[1]) for t in e[3])))
+    return tuple(out)
 
 
 def _status(s: WorkerStatus) -> dict[str, Any]:
@@ -197,32 +216,30 @@ def _enum(cls: type[enum.IntEnum], v: Any, what: str):
 
 
 def _request_from(f: list) -> WireRequest:
-    f = _fields(f, 12, "generate")
+    f = _fields(f, 13, "generate")
     hierarchy = f[6]
     if hierarchy is not None:
         _check(type(hierarchy) is list and all(
             type(h) is list and len(h) == 2 and type(h[0]) is str and type(h[1]) is int
             for h in hierarchy), "generate.agent_hierarchy: expected [[agent_type, node_id], ...]")
         hierarchy = [tuple(h) for h in hierarchy]
-    s = _fields(f[8], 7, "generate.sampling")
-    _check(s[4] is None or type(s[4]) is int, "generate.sampling.seed: expected an integer or nil")
-    _check(type(s[6]) is bool, "generate.sampling.ignore_eos: expected a boolean")
-    sampling = WireSampling(_int(s[0], "generate.sampling.max_tokens"),
-                            _num(s[1], "generate.sampling.temperature"),
-                            _int(s[2], "generate.sampling.top_k"), _num(s[3], "generate.sampling.top_p"),
-                            s[4], tuple(_ints(s[5], "generate.sampling.stop_token_ids")), s[6])
+    try:
+        sampling = SamplingParams.from_wire(f[8])
+    except SamplingError as exc:
+        raise ProtocolError(f"generate.sampling.{exc}") from None
     _check(f[9] is None or type(f[9]) in (int, float), "generate.deadline_s: expected a number or nil")
     _check(type(f[11]) is bool, "generate.stream_kv: expected a boolean")
+    _check(f[12] is None or type(f[12]) is int, "generate.output_start: expected an integer or nil")
     return WireRequest(_int(f[0], "generate.request_id"), _opt_str(f[1], "generate.client_id"),
                        _ints(f[2], "generate.prompt"), _int(f[3], "generate.max_new_tokens"),
                        _num(f[4], "generate.priority"),
                        _enum(LlmRequestType, f[5], "generate.type"), hierarchy,
                        _params_from(f[7]), sampling, f[9],
-                       tuple(_ints(f[10], "generate.forced_tokens")), f[11])
+                       tuple(_ints(f[10], "generate.forced_tokens")), f[11], f[12])
 
 
 def _update_from(f: list) -> WireUpdate:
-    f = _fields(f, 8, "update")
+    f = _fields(f, 10, "update")
     kind = _enum(UpdateKind, f[1], "update.kind")
     info = None
     if f[7] is not None:
@@ -241,7 +258,9 @@ def _update_from(f: list) -> WireUpdate:
     _check((error != ErrorKind.NONE) == (kind == UpdateKind.FAILED),
            f"update.error {error.name} does not fit kind {kind.name}")
     return WireUpdate(_int(f[0], "update.request_id"), kind, _ints(f[2], "update.new_token_ids"),
-                      reason, params, error, _opt_str(f[6], "update.message"), info)
+                      reason, params, error, _opt_str(f[6], "update.message"), info,
+                      _logprobs_from(f[8], "update.logprobs"),
+                      _logprobs_from(f[9], "update.prompt_logprobs"))
 
 
 def _status_from(d: Any) -> WorkerStatus:

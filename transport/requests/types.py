@@ -9,9 +9,12 @@ from typing import Union
 from pdserve.scheduler.kv_events import KVEvent
 from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequestType
 
-PROTOCOL_VERSION = 5  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
+from .sampling import SamplingParams
+
+PROTOCOL_VERSION = 6  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
 # 4: KvControl (the direct KV control link, transport/kv_link.py); 5: layer-wise KV
-# (Generate.stream_kv, the CONTEXT_STREAMING update)
+# (Generate.stream_kv, the CONTEXT_STREAMING update); 6: the sampling record as a map,
+# logprobs on updates
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -56,6 +59,17 @@ class UpdateInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One position's log-probabilities (the model's raw log-softmax): the token's own, its rank
+    (1 = the most likely) and the ``top`` most likely (token id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class WireUpdate:
     """What one step produced for one request: tokens not reported before, and how it ended.
     Build it with the constructors below; they keep kind, finish_reason and error consistent."""
@@ -68,15 +82,24 @@ class WireUpdate:
     error: ErrorKind = ErrorKind.NONE  # FAILED only
     message: str | None = None  # FAILED: what went wrong
     info: UpdateInfo | None = None
+    # With the request's ``logprobs`` set: one entry per token of new_token_ids.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    # With ``prompt_logprobs`` set, once (on the update that brings the first token): one entry
+    # per prompt token after the first.
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @classmethod
-    def tokens(cls, request_id: int, new: list[int], info: UpdateInfo | None = None) -> "WireUpdate":
-        return cls(request_id, UpdateKind.TOKENS, new, info=info)
+    def tokens(cls, request_id: int, new: list[int], info: UpdateInfo | None = None, *,
+               logprobs=None, prompt_logprobs=None) -> "WireUpdate":
+        return cls(request_id, UpdateKind.TOKENS, new, info=info, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def context_done(cls, request_id: int, new: list[int], params: ContextPhaseParams,
-                     info: UpdateInfo | None = None) -> "WireUpdate":
-        return cls(request_id, UpdateKind.CONTEXT_DONE, new, context_phase_params=params, info=info)
+                     info: UpdateInfo | None = None, *, logprobs=None,
+                     prompt_logprobs=None) -> "WireUpdate":
+        return cls(request_id, UpdateKind.CONTEXT_DONE, new, context_phase_params=params, info=info,
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def context_streaming(cls, request_id: int, params: ContextPhaseParams) -> "WireUpdate":
@@ -84,10 +107,12 @@ class WireUpdate:
 
     @classmethod
     def finished_with(cls, request_id: int, new: list[int], reason: str,
-                      info: UpdateInfo | None = None) -> "WireUpdate":
+                      info: UpdateInfo | None = None, *, logprobs=None,
+                      prompt_logprobs=None) -> "WireUpdate":
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {reason!r}")
-        return cls(request_id, UpdateKind.FINISHED, new, finish_reason=reason, info=info)
+        return cls(request_id, UpdateKind.FINISHED, new, finish_reason=reason, info=info,
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @classmethod
     def aborted(cls, request_id: int) -> "WireUpdate":
@@ -119,19 +144,6 @@ class WireUpdate:
 
 
 @dataclass(frozen=True, slots=True)
-class WireSampling:
-    """The sampling parameters a worker needs (``workers.sampling.SamplingParams`` checks them)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class WireRequest:
     """One attempt of a request, as a worker receives it. ``request_id`` is the router's
     attempt id (unique per router); ``client_id`` what the client called the request.
@@ -146,10 +158,13 @@ class WireRequest:
     type: LlmRequestType = LlmRequestType.CONTEXT_AND_GENERATION
     agent_hierarchy: list[tuple[str, int]] | None = None
     context_phase_params: ContextPhaseParams | None = None
-    sampling: WireSampling = WireSampling()
+    sampling: SamplingParams = SamplingParams()  # max_tokens is the attempt's
     deadline_s: float | None = None
     forced_tokens: tuple[int, ...] = ()
     stream_kv: bool = False  # context-only: send the KV layer by layer (CONTEXT_STREAMING)
+    # Where the request's output begins in ``prompt`` (a retry folds tokens it streamed into its
+    # prompt; penalties and min_tokens count from here); None: the end of the prompt.
+    output_start: int | None = None
 
     def to_llm_request(self) -> LlmRequest:
         """Raises ValueError for a request the scheduler's types refuse."""
@@ -160,16 +175,17 @@ class WireRequest:
                           client_id=self.client_id)
 
     @classmethod
-    def from_llm_request(cls, request: LlmRequest, sampling: WireSampling, *,
+    def from_llm_request(cls, request: LlmRequest, sampling: SamplingParams, *,
                          deadline_s: float | None = None,
                          forced_tokens: tuple[int, ...] = (),
-                         stream_kv: bool = False) -> "WireRequest":
+                         stream_kv: bool = False,
+                         output_start: int | None = None) -> "WireRequest":
         hierarchy = request.agent_hierarchy
         return cls(request.request_id, request.client_id, list(request.get_prompt_tokens()),
                    request.max_new_tokens, request.priority, request.llm_request_type,
                    [tuple(level) for level in hierarchy] if hierarchy is not None else None,
                    request.context_phase_params, sampling, deadline_s, tuple(forced_tokens),
-                   stream_kv)
+                   stream_kv, output_start)
 
 
 @dataclass(frozen=True, slots=True)

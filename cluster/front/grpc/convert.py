@@ -3,6 +3,8 @@
 ``ClusterSnapshot`` a ``ClusterStatus``; a ``RouterErrorKind`` a gRPC status code."""
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from pdserve.cluster.auth import DoorSecurity
@@ -15,6 +17,8 @@ from pdserve.cluster.validation import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_P,
     GenerateSpec,
+    ValidationError,
+    sampling_params,
 )
 from pdserve.transport.requests import WorkerEvent, WorkerStatus
 
@@ -31,22 +35,31 @@ STATUS_CODE: dict[RouterErrorKind, grpc.StatusCode] = {
 
 
 def spec_from_proto(request: pb.GenerateRequest) -> GenerateSpec:  # type: ignore[name-defined]
-    """Plain values with the API defaults for unset optional fields; validate the result with
+    """Plain values with the API defaults for unset optional fields. The sampling record checks
+    its own ranges here (ValidationError naming ``sampling.<field>``); validate the rest with
     validation.validate_generate_spec."""
-    sampling = request.sampling
+    s = request.sampling
     prompt = request.WhichOneof("prompt")
+
+    def opt(name: str, default):
+        return getattr(s, name) if s.HasField(name) else default
+
+    sampling = sampling_params(
+        n=opt("n", 1), best_of=opt("best_of", None),
+        max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS), min_tokens=s.min_tokens,
+        temperature=opt("temperature", DEFAULT_TEMPERATURE), top_p=opt("top_p", DEFAULT_TOP_P),
+        top_k=s.top_k, min_p=s.min_p, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=opt("repetition_penalty", 1.0),
+        seed=opt("seed", None), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        include_stop_str_in_output=s.include_stop_str_in_output, ignore_eos=s.ignore_eos,
+        logit_bias=tuple(sorted(s.logit_bias.items())), bad_words=tuple(s.bad_words),
+        logprobs=opt("logprobs", None), prompt_logprobs=opt("prompt_logprobs", None),
+        guided=_guided(s.structured) if s.HasField("structured") else None)
     return GenerateSpec(
         request_id=request.request_id if request.HasField("request_id") else None,
         text=request.text if prompt == "text" else None,
         token_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
-        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=sampling.temperature if sampling.HasField("temperature") else DEFAULT_TEMPERATURE,
-        top_p=sampling.top_p if sampling.HasField("top_p") else DEFAULT_TOP_P,
-        top_k=sampling.top_k,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop_token_ids=tuple(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        stop=tuple(sampling.stop),
+        sampling=sampling,
         priority=request.priority if request.HasField("priority") else DEFAULT_PRIORITY,
         agent_hierarchy=tuple((level.agent_type, level.node_id) for level in request.agent_hierarchy),
         disaggregation=int(request.disaggregation),
@@ -54,9 +67,37 @@ def spec_from_proto(request: pb.GenerateRequest) -> GenerateSpec:  # type: ignor
     )
 
 
-def response_proto(out: RouterOutput):
+def _guided(structured) -> tuple[str, str]:
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise ValidationError("sampling.structured", "set one of json_schema, json_object, regex, "
+                              "choice, grammar")
+    if kind == "json_object":
+        return ("json_object", "")
+    if kind == "choice":
+        return ("choice", json.dumps(list(structured.choice.choices)))
+    return (kind, getattr(structured, kind))
+
+
+def token_logprobs_proto(entries, token_text) -> list:
+    """TokenLogprobs (the worker's) as proto messages; ``token_text(id)`` names a token."""
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
+                            token=token_text(e.token_id),
+                            top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t))
+                                 for t, v in e.top])
+            for e in entries or ()]
+
+
+def response_proto(out: RouterOutput, token_text=str):
+    """``token_text(id)``: a token's text, for logprobs."""
+    extra = {}
+    if out.logprobs:
+        extra["logprobs"] = token_logprobs_proto(out.logprobs, token_text)
+    if out.prompt_logprobs:
+        extra["prompt_logprobs"] = token_logprobs_proto(out.prompt_logprobs, token_text)
     if out.finish_reason is None:
-        return pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text)
+        return pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
+                                   **extra)
     t, u = out.timings, out.usage
     timings = pb.Timings(
         queue_ms=t.queue_ms, ttft_ms=t.ttft_ms, e2e_ms=t.e2e_ms,
@@ -68,7 +109,7 @@ def response_proto(out: RouterOutput):
     usage = pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                      cached_prompt_tokens=u.cached_prompt_tokens)
     return pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
-                               finish_reason=out.finish_reason, timings=timings, usage=usage)
+                               finish_reason=out.finish_reason, timings=timings, usage=usage, **extra)
 
 
 def cluster_status_proto(snap: ClusterSnapshot, security: DoorSecurity):

@@ -18,6 +18,8 @@ from pdserve.cluster.router import RouterConfig, RouterError
 from pdserve.cluster.router.api import FrontDoorApi
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb
 
+from pdserve.cluster.validation import ValidationError
+
 from . import security
 from .convert import STATUS_CODE, cluster_status_proto, response_proto, spec_from_proto
 
@@ -87,12 +89,14 @@ class RouterServicer:
         api = self.api
         try:
             req = await api.admit(spec_from_proto(request), context.time_remaining())
+        except ValidationError as exc:  # the sampling record's own ranges, found while converting
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
             await context.abort(STATUS_CODE[exc.kind], exc.message)
         async with contextlib.aclosing(api.results(req)) as stream:
             try:
                 async for item in stream:
-                    yield response_proto(item)
+                    yield response_proto(item, api.token_text)
             except RouterError as exc:
                 await context.abort(STATUS_CODE[exc.kind], exc.message)
 

@@ -17,47 +17,50 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.policies import DisaggregationMode
+from pdserve.transport.requests.structured import StructuredOutputError, guided_spec_from_openai
 from pdserve.cluster.validation import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PRIORITY,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
     GenerateSpec,
+    ValidationError,
+    sampling_params,
 )
+from pdserve.transport.requests.sampling import MAX_LOGPROBS
 
 COMPLETIONS, CHAT = "completions", "chat"
 
 # Fields each endpoint uses (besides the no-op and ignored ones below).
 _USED = {
-    COMPLETIONS: {"model", "prompt", "max_tokens"},
-    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens"},
+    COMPLETIONS: {"model", "prompt", "max_tokens", "logprobs", "echo", "best_of"},
+    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
-_SHARED_USED = {"temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k", "ignore_eos",
-                "stop_token_ids", "min_tokens", "priority", "agent_hierarchy", "disaggregation", "deadline_ms"}
+# The sampling record's fields, as vLLM's OpenAI server takes them (SamplingParams says how each
+# is applied), and pdserve's own extras.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "min_tokens",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
+                    "include_stop_str_in_output", "ignore_eos", "logit_bias", "bad_words",
+                    "prompt_logprobs")
+_SHARED_USED = {*_SAMPLING_FIELDS, "stop", "stream", "stream_options", "priority",
+                "agent_hierarchy", "disaggregation", "deadline_ms", "response_format", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
 IGNORED = {"user"}  # accepted and ignored: an end-user id for abuse tracking
-# Fields accepted only with the value that means "off"; anything else is unsupported.
+# Fields accepted only with the value that means "off" (or pdserve's own behaviour); anything
+# else is refused.
 _NO_OP = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None,),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "add_special_tokens": (None, False),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False),
-    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True),
 }
 _NO_OP_FIELDS = {
-    COMPLETIONS: {"n", "best_of", "echo", "suffix", "presence_penalty", "frequency_penalty", "logit_bias",
-                  "logprobs"},
-    CHAT: {"n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools",
-           "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format"},
+    COMPLETIONS: {"suffix", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"},
+    CHAT: {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+           "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"},
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -129,8 +132,6 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise invalid("stream", f"must be a boolean, got {stream!r}")
     include_usage = _stream_options(body.get("stream_options"), stream)
-    if body.get("min_tokens") not in (None, 0):
-        raise invalid("min_tokens", "only 0 is supported")
 
     max_tokens = body.get("max_tokens")
     if kind == CHAT and body.get("max_completion_tokens") is not None:
@@ -141,19 +142,61 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if not given:
         max_tokens = DEFAULT_MAX_TOKENS  # chat: replaced once the prompt's length is known
 
+    fields: dict[str, Any] = {"max_tokens": max_tokens}
+    for name in _SAMPLING_FIELDS:
+        value = body.get(name)
+        if value is not None:
+            fields[name] = value
+    fields["top_k"] = _top_k(body.get("top_k"))
+    fields["stop_token_ids"] = _int_list(body.get("stop_token_ids"), "stop_token_ids")
+    fields["bad_words"] = _str_list(body.get("bad_words"), "bad_words")
+    fields["stop"] = _stop(body.get("stop"))
+    if body.get("logit_bias") is not None:
+        fields["logit_bias"] = _logit_bias(body["logit_bias"])
+    echo = False
+    if kind == COMPLETIONS:
+        logprobs = body.get("logprobs")
+        if logprobs is not None:
+            if not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS:
+                raise invalid("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+            fields["logprobs"] = logprobs
+        echo = _bool(body.get("echo"), "echo")
+        if echo and logprobs is not None:
+            # The prompt's tokens come back with their logprobs too (the loglikelihood path).
+            fields.setdefault("prompt_logprobs", logprobs)
+        if body.get("best_of") is not None:
+            fields["best_of"] = body["best_of"]
+    else:
+        wants = _bool(body.get("logprobs"), "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+                raise invalid("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top!r}")
+            if not wants:
+                raise invalid("top_logprobs", "needs logprobs: true")
+        if wants:
+            fields["logprobs"] = top or 0
+    try:
+        guided = guided_spec_from_openai(body)
+    except StructuredOutputError as exc:  # names the body field itself
+        raise invalid(exc.field, exc.message) from None
+    if guided is not None:
+        fields["guided"] = (guided.kind, guided.text)
+    try:
+        sampling = sampling_params(**fields)
+    except ValidationError as exc:
+        raise field_error(exc.field, exc.message, kind) from None
+    if sampling.candidates > 1:
+        raise invalid("best_of" if sampling.best_of not in (None, 1) else "n",
+                      "more than one choice is not supported yet")
+
     spec = GenerateSpec(
-        max_tokens=max_tokens,
-        temperature=_default(body.get("temperature"), DEFAULT_TEMPERATURE),
-        top_p=_default(body.get("top_p"), DEFAULT_TOP_P),
-        top_k=_top_k(body.get("top_k")),
-        seed=body.get("seed"),
-        stop_token_ids=_int_list(body.get("stop_token_ids"), "stop_token_ids"),
-        ignore_eos=_bool(body.get("ignore_eos"), "ignore_eos"),
-        stop=_stop(body.get("stop")),
+        sampling=sampling,
         priority=_default(body.get("priority"), DEFAULT_PRIORITY),
         agent_hierarchy=_agent_hierarchy(body.get("agent_hierarchy")),
         disaggregation=_disaggregation(body.get("disaggregation")),
         deadline_ms=body.get("deadline_ms"),
+        echo=echo,
     )
     if kind == COMPLETIONS:
         text, token_ids = _prompt(body.get("prompt"))
@@ -179,6 +222,35 @@ def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise invalid(name, f"must be a boolean, got {value!r}")
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _str_list(value: Any, name: str) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid(name, f"must be a list of strings, got {value!r}")
+    for i, v in enumerate(value):
+        if not isinstance(v, str):
+            raise invalid(f"{name}[{i}]", f"must be a string, got {v!r}")
+    return tuple(value)
+
+
+def _logit_bias(value: Any) -> tuple:
+    """OpenAI's map of token ids (as JSON strings) to biases."""
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"must map token ids to numbers, got {value!r}")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"logit_bias[{key!r}]", "keys must be token ids") from None
+        pairs.append((token, bias))
+    return tuple(sorted(pairs, key=lambda p: p[0]))
 
 
 def _top_k(value: Any) -> Any:
@@ -324,21 +396,110 @@ def response_id(kind: str, request_id: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{request_id}"
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs_json(entries: Any, token_text) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    content = []
+    for e in entries:
+        token = token_text(e.token_id)
+        content.append({"token": token, "logprob": _lp(e.logprob), "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": (t := token_text(i)), "logprob": _lp(v),
+                                          "bytes": list(t.encode())} for i, v in e.top]})
+    return {"content": content}
+
+
+class CompletionLogprobs:
+    """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
+    built up as tokens arrive; ``text_offset`` counts characters from the start of the
+    choice's text (the echoed prompt included)."""
+
+    def __init__(self, token_text, offset: int = 0) -> None:
+        self.token_text = token_text
+        self.offset = offset
+
+    def add_prompt(self, prompt_ids: Any, entries: Any) -> dict[str, list]:
+        """The echoed prompt: its first token has no logprob."""
+        out = self._empty()
+        first = prompt_ids[0]
+        self._append(out, first, None, None)
+        for e in entries or ():
+            self._append(out, e.token_id, e.logprob, e.top)
+        return out
+
+    def add(self, entries: Any) -> dict[str, list]:
+        out = self._empty()
+        for e in entries or ():
+            self._append(out, e.token_id, e.logprob, e.top)
+        return out
+
+    @staticmethod
+    def _empty() -> dict[str, list]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _append(self, out: dict[str, list], token_id: int, logprob: float | None, top) -> None:
+        token = self.token_text(token_id)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(None if logprob is None else _lp(logprob))
+        if top is None:
+            out["top_logprobs"].append(None)
+        else:
+            # vLLM's shape: the top k by text, and the chosen token too.
+            tops = {self.token_text(i): _lp(v) for i, v in top}
+            tops.setdefault(token, _lp(logprob))
+            out["top_logprobs"].append(tops)
+        out["text_offset"].append(self.offset)
+        self.offset += len(token)
+
+    @staticmethod
+    def merge(parts: list[dict[str, list]]) -> dict[str, list]:
+        out = CompletionLogprobs._empty()
+        for part in parts:
+            for key in out:
+                out[key].extend(part[key])
+        return out
+
+
+def prompt_logprobs_json(prompt_ids: Any, entries: Any, token_text) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a map of token
+    id -> {logprob, rank, decoded_token} holding the prompt's own token and the top k."""
+    out: list[Any] = [None]
+    for e in entries or ():
+        ranked = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank,
+                                    "decoded_token": token_text(e.token_id)}}
+        for rank, (i, v) in enumerate(e.top, start=1):
+            ranked.setdefault(str(i), {"logprob": _lp(v), "rank": rank, "decoded_token": token_text(i)})
+        out.append(ranked)
+    return out
+
+
 def completion_json(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                    usage: Any, timings: Any) -> dict[str, Any]:
+                    usage: Any, timings: Any, *, logprobs: Any = None,
+                    prompt_logprobs: Any = None) -> dict[str, Any]:
     if kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": usage_json(usage), "pdserve_timings": timings_json(timings)}
+    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+           "usage": usage_json(usage), "pdserve_timings": timings_json(timings)}
+    if kind == CHAT and prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
 def chunk_json(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
-               role: bool = False, finish_reason: str | None = None, timings: Any = None) -> dict[str, Any]:
+               role: bool = False, finish_reason: str | None = None, timings: Any = None,
+               logprobs: Any = None, prompt_logprobs: Any = None) -> dict[str, Any]:
     """One streamed chunk. Chat: the first carries the role, later ones content deltas, the last
     an empty delta with the finish reason."""
     if kind == CHAT:
@@ -347,12 +508,16 @@ def chunk_json(kind: str, rid: str, created: int, model: str, *, text: str | Non
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         obj = "text_completion"
     out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if kind == CHAT and prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
     if timings is not None:
         out["pdserve_timings"] = timings_json(timings)
     return out

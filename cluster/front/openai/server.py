@@ -39,13 +39,16 @@ from .api import (
     CHAT,
     COMPLETIONS,
     ApiError,
+    CompletionLogprobs,
     ParsedRequest,
+    chat_logprobs_json,
     chunk_json,
     completion_json,
     field_error,
     invalid,
     models_json,
     parse_request,
+    prompt_logprobs_json,
     response_id,
     usage_chunk_json,
 )
@@ -167,41 +170,49 @@ class OpenAIServer:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
+        choice = _Choice(self.api, parsed, spec, req.prompt)
         async with contextlib.aclosing(self.api.results(req)) as results:
             try:
                 first = await anext(results)  # before any header: an early error keeps its status
             except RouterError as exc:
                 return error_response(self._api_error(exc, kind), headers)
             if parsed.stream:
-                return await self._stream(request, parsed, results, first, rid, created, headers)
-            texts, last = [first.text], first
+                return await self._stream(request, parsed, choice, results, first, rid, created,
+                                          headers)
+            last = first
+            choice.add(first)
             try:
                 while not last.finish_reason:
                     last = await anext(results)
-                    texts.append(last.text)
+                    choice.add(last)
             except RouterError as exc:
                 return error_response(self._api_error(exc, kind), headers)
             return json_response(
-                completion_json(kind, rid, created, self.model_id, "".join(texts), last.finish_reason,
-                                last.usage, last.timings), headers=headers)
+                completion_json(kind, rid, created, self.model_id, choice.text, last.finish_reason,
+                                last.usage, last.timings, logprobs=choice.logprobs(),
+                                prompt_logprobs=choice.prompt_logprobs),
+                headers=headers)
 
-    async def _stream(self, request, parsed: ParsedRequest, results, first, rid: str, created: int,
-                      headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(self, request, parsed: ParsedRequest, choice: "_Choice", results, first,
+                      rid: str, created: int, headers: dict[str, str]) -> web.StreamResponse:
         kind = parsed.kind
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
+        model = self.model_id
         try:
             if kind == CHAT:
-                await resp.write(sse(chunk_json(kind, rid, created, self.model_id, text="", role=True)))
+                await resp.write(sse(chunk_json(kind, rid, created, model, text="", role=True)))
             item = first
             while True:
-                if item.text:
-                    await resp.write(sse(chunk_json(kind, rid, created, self.model_id, text=item.text)))
+                text, logprobs, prompt_lps = choice.delta(item)
+                if text or logprobs is not None or prompt_lps is not None:
+                    await resp.write(sse(chunk_json(kind, rid, created, model, text=text,
+                                                    logprobs=logprobs, prompt_logprobs=prompt_lps)))
                 if item.finish_reason:
-                    await resp.write(sse(chunk_json(kind, rid, created, self.model_id,
+                    await resp.write(sse(chunk_json(kind, rid, created, model,
                                                     finish_reason=item.finish_reason, timings=item.timings)))
                     if parsed.include_usage:
-                        await resp.write(sse(usage_chunk_json(kind, rid, created, self.model_id, item.usage)))
+                        await resp.write(sse(usage_chunk_json(kind, rid, created, model, item.usage)))
                     break
                 item = await anext(results)
         except RouterError as exc:
@@ -230,7 +241,8 @@ class OpenAIServer:
         if not parsed.max_tokens_given:
             limits = self.api.limits
             room = (limits.max_seq_len or len(ids) + limits.max_tokens_limit) - len(ids)
-            spec = dataclasses.replace(spec, max_tokens=max(1, min(room, limits.max_tokens_limit)))
+            max_tokens = max(1, min(room, limits.max_tokens_limit))
+            spec = dataclasses.replace(spec, sampling=spec.sampling.replace(max_tokens=max_tokens))
         return dataclasses.replace(spec, token_ids=tuple(ids))
 
     async def _admit(self, spec, kind: str):
@@ -245,6 +257,66 @@ class OpenAIServer:
         if exc.field:
             return field_error(exc.field, exc.detail, kind, status=status, type_=type_, code=code)
         return ApiError(status, exc.message, type_=type_, code=code)
+
+
+class _Choice:
+    """One choice's text and logprobs as RouterOutputs arrive, in the endpoint's shapes. With
+    ``echo`` the prompt leads the text (and, with logprobs, the logprobs)."""
+
+    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids) -> None:
+        self.kind = parsed.kind
+        self.api = api
+        self.sampling = spec.sampling
+        self.prompt_ids = list(prompt_ids)
+        self.echo = spec.echo
+        self.texts: list[str] = []
+        self.parts: list[Any] = []  # completions: logprob dicts; chat: content entries
+        self.prompt_logprobs: list[Any] | None = None
+        self.completion_lps = CompletionLogprobs(api.token_text)
+        self._echoed = False
+
+    def _echo_text(self) -> str:
+        return self.api.detokenize(self.prompt_ids)
+
+    def delta(self, out) -> tuple[str, Any, Any]:
+        """(text, logprobs, prompt_logprobs) to send for this output."""
+        text = out.text
+        logprobs = None
+        prompt_lps = None
+        wants = self.sampling.logprobs is not None
+        if self.echo and not self._echoed:
+            self._echoed = True
+            text = self._echo_text() + text
+            if wants and self.kind == COMPLETIONS:
+                head = self.completion_lps.add_prompt(self.prompt_ids, out.prompt_logprobs)
+                logprobs = CompletionLogprobs.merge([head, self.completion_lps.add(out.logprobs)])
+        if out.prompt_logprobs is not None and self.sampling.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_json(self.prompt_ids, out.prompt_logprobs, self.api.token_text)
+        if wants and logprobs is None and out.logprobs:
+            if self.kind == COMPLETIONS:
+                logprobs = self.completion_lps.add(out.logprobs)
+            else:
+                logprobs = chat_logprobs_json(out.logprobs, self.api.token_text)
+        return text, logprobs, prompt_lps
+
+    def add(self, out) -> None:
+        text, logprobs, prompt_lps = self.delta(out)
+        self.texts.append(text)
+        if logprobs is not None:
+            self.parts.append(logprobs)
+        if prompt_lps is not None:
+            self.prompt_logprobs = prompt_lps
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def logprobs(self) -> Any:
+        if self.sampling.logprobs is None:
+            return None
+        if self.kind == COMPLETIONS:
+            return CompletionLogprobs.merge(self.parts)
+        return {"content": [c for part in self.parts for c in part["content"]]}
 
 
 async def _json_body(request: web.Request) -> Any:
