@@ -83,6 +83,7 @@ def build_executor(
         vocab_size=mcfg.vocab_size,
         max_seq_len=max_seq_len,
         transceiver=transceiver_factory(kv_pool) if transceiver_factory is not None else None,
+        grammar=_LazyGrammar(loaded, mcfg.vocab_size) if loaded.tokenizer is not None else None,
     )
     return loaded, executor
 
@@ -121,6 +122,25 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
                              transfer_timeout_s=transfer_timeout_s)
 
     return build_executor(model, config, transceiver_factory=transceiver_factory)
+
+
+class _LazyGrammar:
+    """The worker's GrammarCompiler, built on the first structured-output request (building one
+    reads the whole vocabulary: about a second for a 32k-token tokenizer)."""
+
+    def __init__(self, loaded: LoadedModel, vocab_size: int) -> None:
+        self._loaded, self._vocab_size, self._compiler = loaded, vocab_size, None
+
+    def matcher(self, spec):
+        if self._compiler is None:
+            from .grammar import GrammarCompiler
+
+            # Compact JSON: flexible whitespace lets a weak (or random-weight) model wander in
+            # blanks until max_tokens; the values and keys are the model's either way.
+            self._compiler = GrammarCompiler(self._loaded.tokenizer, self._vocab_size,
+                                             self._loaded.eos_token_ids,
+                                             json_whitespace_flexible=False)
+        return self._compiler.matcher(spec)
 
 
 class LLMEngine:

@@ -91,9 +91,12 @@ class Executor:
         transceiver: KVTransceiver | None = None,
         clock: Callable[[], float] = time.monotonic,
         worker_id: str = "engine",
+        grammar=None,
     ) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        # Structured outputs: a GrammarCompiler (workers/grammar.py) that builds matchers.
+        self.grammar = grammar
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
@@ -201,8 +204,18 @@ class Executor:
             raise ValueError(
                 f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
+        matcher = None
+        if params.guided is not None:
+            # The grammar's state is rebuilt from the output so far: a retry's folded prompt, a
+            # forced continuation, the context worker's first token (a migration or a
+            # disaggregated request resumes exactly where the text stands).
+            output = list(request.get_prompt_tokens()[output_start:]) + forced
+            cpp = request.context_phase_params
+            if request.is_generation_only_request and cpp is not None and not forced:
+                output += list(cpp.first_gen_tokens)
+            matcher = self._grammar_matcher(params.guided, output)
         sampler = RequestSampler(params, self._device, output_start=output_start,
-                                 eos_token_ids=tuple(self.eos_token_ids))
+                                 eos_token_ids=tuple(self.eos_token_ids), matcher=matcher)
         tracked = _Tracked(request, sampler, params, forced, deadline=deadline, stream_kv=stream_kv)
         if params.prompt_logprobs is not None and not request.is_generation_only_request:
             # Every prompt position is computed here: a cached prefix would skip some, so the
@@ -230,6 +243,18 @@ class Executor:
         self.tracked[request.request_id] = tracked
         self._num_deadlines += deadline is not None
         insert_request_in_order(self.waiting, request)
+
+    def _grammar_matcher(self, guided: tuple[str, str], output: list[int]):
+        """A structured-output request's matcher, after ``output``; ValueError (the request is
+        refused) when its grammar does not compile or the output breaks it."""
+        if self.grammar is None:
+            raise ValueError("guided: this worker has no tokenizer to build grammars with")
+        from pdserve.transport.requests.structured import GuidedSpec
+
+        matcher = self.grammar.matcher(GuidedSpec.from_pair(guided))
+        if output and not matcher.replay(output):
+            raise ValueError("guided: the tokens generated so far do not follow the grammar")
+        return matcher
 
     def abort(self, request_id: int, reason: str = "abort") -> WireUpdate | None:
         """Frees everything the request holds. Returns its final update (ABORTED, or FAILED
@@ -570,8 +595,9 @@ class Executor:
             generated[-1] = token
         new = generated[len(tracked.emitted) :]
         tracked.emitted.extend(new)
-        if tracked.sampler.matcher is not None:
-            tracked.sampler.matcher.accept(token)
+        matcher = tracked.sampler.matcher
+        if matcher is not None:
+            matcher.accept(token)
         # Logprobs go with a token the client has not seen (a forced one was reported before).
         lps = (logprobs,) if logprobs is not None and new else None
         plps = None
@@ -580,6 +606,8 @@ class Executor:
         reason = None
         if token in self.eos_token_ids and not tracked.params.ignore_eos:
             reason = "stop"
+        elif matcher is not None and matcher.is_terminated():
+            reason = "stop"  # the grammar is complete: nothing but EOS could follow
         elif token in tracked.params.stop_token_ids:
             reason = "stop"
         elif lifecycle.reached_max_tokens(request):

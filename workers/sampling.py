@@ -133,7 +133,9 @@ def _process(logits: torch.Tensor, sampler: RequestSampler, seq: Sequence[int]) 
             if prefix == 0 or (len(output) >= prefix and tuple(output[-prefix:]) == word[:-1]):
                 if word[-1] < logits.shape[0]:
                     logits[word[-1]] = float("-inf")
-    if len(output) < p.min_tokens and sampler.held_back:
+    if (len(output) < p.min_tokens and sampler.held_back
+            and (sampler.matcher is None or not sampler.matcher.is_accepting())):
+        # (A complete structured output may only end: holding EOS back would leave nothing.)
         logits[torch.tensor(sampler.held_back, dtype=torch.long, device=logits.device)] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=logits.device)

@@ -1,0 +1,147 @@
+"""vLLM's sampling set through the OpenAI door of a real 1P1D cluster, with the official
+``openai`` client: every answer equals the in-process engine's for the same request (which
+test_sampling_parity holds to transformers), so penalties, logprobs and prompt logprobs survive
+the split (first token and prompt logprobs on the context worker, the rest on the generation
+worker); structured outputs validate on random weights, streamed and not; bad values are a 400
+naming the field and the server stays up."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import openai  # noqa: E402
+
+import cluster_util as U  # noqa: E402
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.cluster.router import RouterConfig  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ENGINE = dict(U.ENGINE, max_input_len=96, max_seq_len=160)  # test_http_api's: the cluster is shared
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}}}
+
+
+@pytest.fixture
+def cluster(clusters):
+    return clusters(engine=ENGINE, router=RouterConfig(http_port=0))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return LLM(model_dir, **ENGINE)
+
+
+def client(cl) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cl.http_port}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def _valid(doc) -> bool:
+    return (set(doc) == {"name", "age", "tags"} and isinstance(doc["name"], str) and len(doc["name"]) <= 6
+            and isinstance(doc["age"], int) and 0 <= doc["age"] <= 99
+            and all(t in ("x", "y") for t in doc["tags"]) and len(doc["tags"]) <= 2)
+
+
+def test_penalties_and_logprobs_across_the_split_equal_the_engine(cluster, engine, model_dir):
+    oa = client(cluster)
+    model = oa.models.list().data[0].id
+    ids = U.prompts(1, seed=77, lo=14, hi=20)[0]
+    sampling = dict(temperature=0, max_tokens=20, presence_penalty=0.8, frequency_penalty=0.6,
+                    ignore_eos=True, repetition_penalty=1.4, logit_bias={ids[0]: -5.0}, min_p=0.05)
+    want = engine.generate([ids], SamplingParams(logprobs=3, prompt_logprobs=3, **sampling))[0]
+    body = {k: sampling[k] for k in ("presence_penalty", "frequency_penalty")}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.4, "min_p": 0.05}
+    full = oa.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, logprobs=3, echo=True,
+                                 logit_bias={str(ids[0]): -5}, extra_body=extra, **body)
+    choice = full.choices[0]
+    assert full.model_extra["pdserve_timings"]["ctx_worker"] == "ctx-0"  # it was split
+    prompt_text = engine.engine.tokenizer.decode(ids, skip_special_tokens=False)
+    assert choice.text == prompt_text + want.text
+    lp = choice.logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + 20 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([e.logprob for e in want.prompt_logprobs], abs=1e-4)
+    assert lp.token_logprobs[n:] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    # OpenAI's top_logprobs is keyed by text (byte tokens may share one), and holds the chosen token.
+    assert all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    # Chat, streamed: the same tokens and logprobs as a non-streamed request, chunk by chunk.
+    messages = [{"role": "user", "content": "Say something."}]
+    kwargs = dict(model=model, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5,
+                  frequency_penalty=1.0, extra_body={"ignore_eos": True})
+    whole = oa.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 5 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[-1].logprob for c in content)
+    streamed = [c for c in oa.chat.completions.create(stream=True, **kwargs) if c.choices]
+    pieces = [e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [p.token for p in pieces] == [c.token for c in content]
+    assert [p.logprob for p in pieces] == pytest.approx([c.logprob for c in content], abs=1e-6)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+
+    # vLLM's prompt_logprobs extension: the prompt's own token and the top k, by token id.
+    raw = oa.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                extra_body={"prompt_logprobs": 2}).model_dump()
+    plps = raw["choices"][0]["prompt_logprobs"]
+    assert plps[0] is None and len(plps) == len(ids)
+    for i, entry in enumerate(plps[1:]):
+        own = entry[str(ids[i + 1])]
+        assert own["logprob"] == pytest.approx(want.prompt_logprobs[i].logprob, abs=1e-4)
+        assert own["rank"] == want.prompt_logprobs[i].rank
+    U.wait_drained(cluster)
+
+
+def test_json_schema_and_regex_outputs_validate_streamed_or_not(cluster):
+    oa = client(cluster)
+    model = oa.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    for seed in range(3):
+        out = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Person {seed}"}],
+                                         max_tokens=100, temperature=1.0, seed=seed, response_format=fmt)
+        assert out.choices[0].finish_reason == "stop"
+        assert _valid(json.loads(out.choices[0].message.content))
+        chunks = oa.chat.completions.create(model=model, messages=[{"role": "user", "content": f"P{seed}"}],
+                                            max_tokens=100, temperature=1.0, seed=seed, response_format=fmt,
+                                            stream=True)
+        assert _valid(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)))
+    obj = oa.completions.create(model=model, prompt="JSON:", max_tokens=100, temperature=0.7, seed=4,
+                                extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(obj.choices[0].text), dict)
+    regex = oa.completions.create(model=model, prompt="id:", max_tokens=30, temperature=1.0, seed=1,
+                                  extra_body={"guided_regex": "[a-z]{2,5}-[0-9]{3}"})
+    import re
+    assert re.fullmatch("[a-z]{2,5}-[0-9]{3}", regex.choices[0].text)
+    choice = oa.completions.create(model=model, prompt="pick:", max_tokens=10, temperature=1.0, seed=2,
+                                   extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert choice.choices[0].text in ("red", "green", "blue")
+    U.wait_drained(cluster)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 2, "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "max_tokens": 2, "logit_bias": {"999999": 1}}, "logit_bias[999999]"),
+    ({"prompt": "x", "max_tokens": 2, "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": 2, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "s", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema"),
+])
+def test_bad_sampling_values_are_a_400_naming_the_field(cluster, body, param):
+    oa = client(cluster)
+    with pytest.raises(openai.BadRequestError) as info:
+        extra = {k: v for k, v in body.items() if k not in ("prompt", "max_tokens")}
+        oa.completions.create(model=oa.models.list().data[0].id, prompt=body["prompt"],
+                              max_tokens=body["max_tokens"], extra_body=extra)
+    assert param in info.value.message
+    ok = oa.completions.create(model=oa.models.list().data[0].id, prompt="x", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
