@@ -41,11 +41,11 @@ def _worker_hops(worker, prompts) -> tuple[list[float], list[float]]:
     import ray
 
     from pdserve.cluster.worker_channel import WorkerChannel
-    from pdserve.transport.requests import WireRequest, WireSampling
+    from pdserve.transport.requests import WireRequest, SamplingParams
 
     info = ray.get(worker.info.remote(), timeout=60)
     ids = iter(range(1 << 40, 1 << 41))  # far from the router's attempt ids
-    greedy = WireSampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def wire(prompt):
         return WireRequest(next(ids), None, prompt, 1, deadline_s=60.0, sampling=greedy)

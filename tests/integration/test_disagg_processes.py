@@ -22,7 +22,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler import LlmRequestType
-from pdserve.transport.requests import UpdateKind, WireRequest, WireSampling, WireUpdate
+from pdserve.transport.requests import UpdateKind, WireRequest, SamplingParams, WireUpdate
 from pdserve.workers.rpc_worker import RpcWorkerClient
 from pdserve.workers.tiny_model import make_tiny_model
 
@@ -97,7 +97,7 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
 
 def _submit_context(ctx: Worker, rid: int, prompt: list[int], sampling=GREEDY) -> None:
     ctx.call("submit", WireRequest(rid, None, prompt, 1, type=LlmRequestType.CONTEXT_ONLY,
-                                   sampling=WireSampling(**{"max_tokens": 1, **sampling})))
+                                   sampling=SamplingParams(**{"max_tokens": 1, **sampling})))
 
 
 def _context_result(ctx: Worker, rid: int) -> WireUpdate:
@@ -111,7 +111,7 @@ def _submit_generation(gen: Worker, rid: int, prompt: list[int], ctx_done: WireU
                        max_new: int = MAX_NEW, sampling=GREEDY) -> None:
     gen.call("submit", WireRequest(rid, None, prompt, max_new, type=LlmRequestType.GENERATION_ONLY,
                                    context_phase_params=ctx_done.context_phase_params,
-                                   sampling=WireSampling(**{"max_tokens": max_new, **sampling})))
+                                   sampling=SamplingParams(**{"max_tokens": max_new, **sampling})))
 
 
 def _generation_result(gen: Worker, rid: int, ctx_done: WireUpdate) -> tuple[list[int], WireUpdate]:

@@ -31,8 +31,8 @@ class FakeRouter(pb_grpc.RouterServicer):
         self.seen: list[str] = []
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
-        spec = spec_from_proto(request)
         try:
+            spec = spec_from_proto(request)  # the sampling record checks its ranges as it is built
             validate_generate_spec(spec, LIMITS)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

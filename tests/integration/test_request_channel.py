@@ -24,7 +24,7 @@ from pdserve.transport.requests import (
     Refused,
     UpdateKind,
     WireRequest,
-    WireSampling,
+    SamplingParams,
     encode_frame,
 )
 from pdserve.workers.config import EngineConfig
@@ -60,7 +60,7 @@ def host(model_dir):
 
 def _wire(rid: int, prompt, max_tokens: int) -> WireRequest:
     return WireRequest(rid, f"client-{rid}", list(prompt), max_tokens, deadline_s=WAIT_S,
-                       sampling=WireSampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                       sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 async def _updates(q: asyncio.Queue, until_finished: bool = True) -> list:
@@ -152,7 +152,7 @@ def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host):
         bad_vocab, bad_params = channel.attempt(1), channel.attempt(2)
         channel.generate(_wire(1, [1, 2, 10**6], 4))  # a token outside the vocabulary
         wire = _wire(2, PROMPTS[0], 4)
-        channel.generate(WireRequest(2, None, wire.prompt, 4, sampling=WireSampling(top_p=0.0)))
+        channel.generate(WireRequest(2, None, wire.prompt, 4, sampling=SamplingParams(logit_bias={10**6: 1.0})))
         first, second = await _updates(bad_vocab), await _updates(bad_params)
         good = channel.attempt(3)
         channel.generate(_wire(3, PROMPTS[1], 4))
@@ -162,7 +162,7 @@ def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host):
 
     first, second, third = asyncio.run(run())
     assert first[0].error == ErrorKind.REJECTED and "vocabulary" in first[0].message
-    assert second[0].error == ErrorKind.REJECTED and "top_p" in second[0].message
+    assert second[0].error == ErrorKind.REJECTED and "logit_bias" in second[0].message
     assert len(_tokens(third)) == 4
     _drained(host)
 

@@ -13,7 +13,7 @@ from pdserve import SamplingParams as ApiSamplingParams
 from pdserve.scheduler import LlmRequest
 from pdserve.transport.protocol import TransferDone, encode_message
 from pdserve.transport.sessions import RecvState
-from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, WireSampling
+from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, SamplingParams
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.executor import Executor
@@ -115,7 +115,7 @@ def test_forced_tokens_continue_a_retry_without_duplicates_or_gaps(loaded, model
 def test_an_abort_that_overtakes_its_submission_finishes_it_at_once(loaded):
     ex = _executor(loaded)
     host = WorkerHost(ex, worker_id="w", role="both", config=EngineConfig.from_kwargs(ENGINE))
-    sampling = WireSampling(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
         assert host.call(lambda: host.abort_now(42)) is False  # not there yet: remembered
         stream = host.stream(WireRequest(42, None, PROMPT, 8, sampling=sampling))
