@@ -53,6 +53,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model id HTTP clients use (default: the model directory's name)")
+    parser.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                        help="how tool calls are read from the model's output for tool_choice "
+                             "auto (hermes: Hermes/Qwen <tool_call> JSON); forced calls need none")
     parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
     parser.add_argument("--routing", choices=["round-robin", "least-loaded", "kv-aware"],
                         help="how workers are picked (default round-robin); kv-aware routes on the "
@@ -151,6 +154,7 @@ def launch_config_from_args(args: argparse.Namespace):
     router = dict(data.get("router") or {})
     for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "worker_wait_s", "agent_percentage",
                 "http_port", "http_host", "served_model_name", "kv_transfer_mode", "host",
+                "tool_call_parser",
                 "max_inflight_per_key", "tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(args, key, None)
         if value is not None:

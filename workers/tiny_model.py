@@ -26,9 +26,41 @@ NUM_BYTE_TOKENS = 256
 MIN_VOCAB = len(SPECIAL_TOKENS) + NUM_BYTE_TOKENS  # 259
 
 # BOS, then "<|role|>\ncontent</s>\n" per message; the generation prompt opens an assistant turn.
+# With tools (Hermes style, as Qwen's templates write them): a system turn listing them as JSON in
+# <tools></tools> (a first system message's content leads it), an assistant's calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks after its content, and a tool
+# result as a <|tool|> turn in <tool_response></tool_response>. Without tools or tool turns it
+# renders what the first template (plain turns only) rendered.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call>' + eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|tool|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
@@ -130,8 +162,8 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
 
 
 # The built-in model (`pdserve launch` without --model). The name changes whenever what
-# write_builtin_model writes changes (-chat: the chat template).
-BUILTIN_MODEL_NAME = "tiny-llama-h128-l4-v259-chat"
+# write_builtin_model writes changes (-chat: the chat template; -tools: it renders tools).
+BUILTIN_MODEL_NAME = "tiny-llama-h128-l4-v259-chat-tools"
 
 
 def write_builtin_model(path: str | Path) -> Path:

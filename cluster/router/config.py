@@ -42,6 +42,9 @@ class RouterConfig:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     served_model_name: str | None = None  # default: the model directory's name
+    # How tool calls are read from the output for tool_choice "auto" (the OpenAI door's
+    # TOOL_PARSERS: "hermes"); None: "auto" is refused, forced calls work without one.
+    tool_call_parser: str | None = None
     # How a remote prefill's KV moves (KV_TRANSFER_MODES): "after_prefill", once the prefill is
     # over; "layerwise", each layer as the context worker's forward writes it, with the
     # generation worker asked as soon as the last prefill chunk is scheduled.

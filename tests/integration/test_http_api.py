@@ -159,7 +159,7 @@ def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(cluster):
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400, "stop"),
         ({"prompt": "x", "priority": 7}, "/v1/completions", 400, "priority"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "/v1/chat/completions", 400, "tools"),
+         "/v1/chat/completions", 400, "tools[0].function"),
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
          "/v1/chat/completions", 400, "response_format"),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, "/v1/chat/completions", 400, "messages"),

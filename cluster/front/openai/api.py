@@ -27,12 +27,15 @@ from pdserve.cluster.validation import (
 )
 from pdserve.transport.requests.sampling import MAX_LOGPROBS
 
+from .tools import ToolError, ToolRequest, guided_decoding, parse_tools, template_messages
+
 COMPLETIONS, CHAT = "completions", "chat"
 
 # Fields each endpoint uses (besides the no-op and ignored ones below).
 _USED = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "logprobs", "echo", "best_of"},
-    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"},
+    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+           "tools", "tool_choice", "parallel_tool_calls"},
 }
 # The sampling record's fields, as vLLM's OpenAI server takes them (SamplingParams says how each
 # is applied), and pdserve's own extras.
@@ -51,18 +54,15 @@ _NO_OP = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "add_special_tokens": (None, False),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
 }
 _NO_OP_FIELDS = {
     COMPLETIONS: {"suffix", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"},
-    CHAT: {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-           "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"},
+    CHAT: {"functions", "function_call", "skip_special_tokens", "spaces_between_special_tokens",
+           "add_special_tokens"},
 }
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -89,6 +89,7 @@ class ParsedRequest:
     include_usage: bool
     messages: tuple[dict[str, Any], ...] = ()  # chat only, content flattened to text
     max_tokens_given: bool = True  # chat without max_tokens: as many as the context allows
+    tools: ToolRequest | None = None  # chat only
 
 
 def openai_param(field: str, kind: str) -> str:
@@ -182,6 +183,18 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
         raise invalid(exc.field, exc.message) from None
     if guided is not None:
         fields["guided"] = (guided.kind, guided.text)
+    tools = None
+    if kind == CHAT:
+        try:
+            tools = parse_tools(body)
+        except ToolError as exc:
+            raise invalid(exc.param, exc.detail) from None
+        forced = guided_decoding(tools)
+        if forced is not None:
+            if guided is not None:
+                raise invalid("tool_choice", f"{tools.choice!r} forces a call, so the output cannot "
+                              "also follow response_format or a guided_* field")
+            fields["guided"] = forced
     try:
         sampling = sampling_params(**fields)
     except ValidationError as exc:
@@ -202,7 +215,7 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
         text, token_ids = _prompt(body.get("prompt"))
         return ParsedRequest(kind, dataclasses.replace(spec, text=text, token_ids=token_ids), stream,
                              include_usage)
-    return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given)
+    return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given, tools)
 
 
 # ---- field parsers -------------------------------------------------------------------------------
@@ -343,7 +356,6 @@ def _prompt(value: Any) -> tuple[str | None, tuple | None]:
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty list of messages")
-    out = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid(f"messages[{i}]", "must be an object with role and content")
@@ -351,27 +363,13 @@ def _messages(value: Any) -> tuple[dict[str, Any], ...]:
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id"):
                 raise invalid(f"messages[{i}].{key}", "is not supported")
-        out.append({**message, "content": _content(message.get("content"), f"messages[{i}].content")})
-    return tuple(out)
-
-
-def _content(value: Any, where: str) -> str:
-    """A string, or a list of text parts (joined by newlines, as vLLM does for text templates)."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        raise invalid(where, "is required")
-    if isinstance(value, list):
-        texts = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise invalid(f"{where}[{j}]", f"only text parts are supported, got {kind!r}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise invalid(where, f"must be a string or a list of text parts, got {type(value).__name__}")
+    try:
+        # Text parts joined, tool results and assistant tool calls as chat templates expect them.
+        return tuple(template_messages(value))
+    except ToolError as exc:
+        raise invalid(exc.param, exc.detail) from None
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -480,10 +478,11 @@ def prompt_logprobs_json(prompt_ids: Any, entries: Any, token_text) -> list[Any]
 
 def completion_json(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
                     usage: Any, timings: Any, *, logprobs: Any = None,
-                    prompt_logprobs: Any = None) -> dict[str, Any]:
+                    prompt_logprobs: Any = None, message: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``message``: chat's message when it is more than text (tool calls)."""
     if kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish_reason}
+        choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
+                  "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -499,11 +498,12 @@ def completion_json(kind: str, rid: str, created: int, model: str, text: str, fi
 
 def chunk_json(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
                role: bool = False, finish_reason: str | None = None, timings: Any = None,
-               logprobs: Any = None, prompt_logprobs: Any = None) -> dict[str, Any]:
-    """One streamed chunk. Chat: the first carries the role, later ones content deltas, the last
-    an empty delta with the finish reason."""
+               logprobs: Any = None, prompt_logprobs: Any = None,
+               delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk. Chat: the first carries the role, later ones content deltas (or
+    ``delta`` as given: tool call deltas), the last an empty delta with the finish reason."""
     if kind == CHAT:
-        delta: dict[str, Any] = {}
+        delta = dict(delta or {})
         if role:
             delta["role"] = "assistant"
         if text is not None:

@@ -94,9 +94,13 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         object.__setattr__(self, "_compiled", env.from_string(self.source))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: the request's tool definitions (OpenAI's shape), for templates that list
+        them (Hugging Face's convention: the ``tools`` variable, unset when there are none)."""
+        extra = {"tools": tools} if tools else {}
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **extra, **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc

@@ -53,6 +53,7 @@ from .api import (
     usage_chunk_json,
 )
 from .chat_template import ChatTemplate, ChatTemplateError
+from .tools import ToolError, chat_message, finish_reason_for, get_tool_parser, output_parser
 
 log = logging.getLogger("pdserve.http")
 
@@ -95,6 +96,8 @@ class OpenAIServer:
         self.keys = keys
         self.model_id = model_id
         self.chat_template = chat_template
+        if config.tool_call_parser is not None:
+            get_tool_parser(config.tool_call_parser)  # an unknown name fails at start-up
         self.created = int(time.time())
         self.runner: web.AppRunner | None = None
         self.registry = CollectorRegistry(auto_describe=False)
@@ -164,13 +167,19 @@ class OpenAIServer:
         try:
             body = await _json_body(request)
             parsed = parse_request(body, kind, self.model_id)
+            tool_parser = None
+            if parsed.tools is not None:
+                try:
+                    tool_parser = output_parser(parsed.tools, self.config.tool_call_parser)
+                except ToolError as exc:
+                    raise invalid(exc.param, exc.detail) from None
             spec = await self._spec(parsed, request.headers.get("X-Request-Id"))
             req = await self._admit(spec, kind)
         except ApiError as exc:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
-        choice = _Choice(self.api, parsed, spec, req.prompt)
+        choice = _Choice(self.api, parsed, spec, req.prompt, tool_parser)
         async with contextlib.aclosing(self.api.results(req)) as results:
             try:
                 first = await anext(results)  # before any header: an early error keeps its status
@@ -187,10 +196,11 @@ class OpenAIServer:
                     choice.add(last)
             except RouterError as exc:
                 return error_response(self._api_error(exc, kind), headers)
+            message, finish_reason = choice.message(last.finish_reason)
             return json_response(
-                completion_json(kind, rid, created, self.model_id, choice.text, last.finish_reason,
+                completion_json(kind, rid, created, self.model_id, choice.text, finish_reason,
                                 last.usage, last.timings, logprobs=choice.logprobs(),
-                                prompt_logprobs=choice.prompt_logprobs),
+                                prompt_logprobs=choice.prompt_logprobs, message=message),
                 headers=headers)
 
     async def _stream(self, request, parsed: ParsedRequest, choice: "_Choice", results, first,
@@ -203,14 +213,28 @@ class OpenAIServer:
             if kind == CHAT:
                 await resp.write(sse(chunk_json(kind, rid, created, model, text="", role=True)))
             item = first
+            tools = choice.tool_stream()
             while True:
                 text, logprobs, prompt_lps = choice.delta(item)
-                if text or logprobs is not None or prompt_lps is not None:
+                if tools is not None:
+                    # Tool calls: the parser decides what of the text is content and what calls.
+                    deltas = tools.feed(text) if text else []
+                    if item.finish_reason:
+                        deltas += tools.finish()
+                    for i, delta in enumerate(deltas):
+                        await resp.write(sse(chunk_json(kind, rid, created, model, delta=delta,
+                                                        logprobs=logprobs if i == 0 else None)))
+                    if not deltas and logprobs is not None:
+                        await resp.write(sse(chunk_json(kind, rid, created, model, logprobs=logprobs)))
+                elif text or logprobs is not None or prompt_lps is not None:
                     await resp.write(sse(chunk_json(kind, rid, created, model, text=text,
                                                     logprobs=logprobs, prompt_logprobs=prompt_lps)))
                 if item.finish_reason:
+                    finish_reason = item.finish_reason
+                    if tools is not None:
+                        finish_reason = finish_reason_for(tools.calls, finish_reason, parsed.tools)
                     await resp.write(sse(chunk_json(kind, rid, created, model,
-                                                    finish_reason=item.finish_reason, timings=item.timings)))
+                                                    finish_reason=finish_reason, timings=item.timings)))
                     if parsed.include_usage:
                         await resp.write(sse(usage_chunk_json(kind, rid, created, model, item.usage)))
                     break
@@ -231,7 +255,8 @@ class OpenAIServer:
             raise invalid("messages", f"the model {self.model_id} has no chat template "
                                       "(tokenizer_config.json chat_template); use /v1/completions")
         try:
-            text = self.chat_template.render(list(parsed.messages), add_generation_prompt=True)
+            text = self.chat_template.render(list(parsed.messages), add_generation_prompt=True,
+                                             tools=parsed.tools.template_tools() if parsed.tools else None)
         except ChatTemplateError as exc:
             raise invalid("messages", f"the chat template refused them: {exc}") from exc
         try:
@@ -263,8 +288,11 @@ class _Choice:
     """One choice's text and logprobs as RouterOutputs arrive, in the endpoint's shapes. With
     ``echo`` the prompt leads the text (and, with logprobs, the logprobs)."""
 
-    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids) -> None:
+    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids,
+                 tool_parser=None) -> None:
         self.kind = parsed.kind
+        self.tools = parsed.tools
+        self.tool_parser = tool_parser
         self.api = api
         self.sampling = spec.sampling
         self.prompt_ids = list(prompt_ids)
@@ -310,6 +338,17 @@ class _Choice:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    def tool_stream(self):
+        """Chat with tools: the streaming tool-call parser (None: plain text)."""
+        return self.tool_parser.stream() if self.tool_parser is not None else None
+
+    def message(self, finish_reason: str) -> tuple[dict[str, Any] | None, str]:
+        """Chat with tools: the message with its tool calls and the finish reason they give."""
+        if self.tool_parser is None:
+            return None, finish_reason
+        content, calls = self.tool_parser.parse(self.text)
+        return chat_message(content, calls), finish_reason_for(calls, finish_reason, self.tools)
 
     def logprobs(self) -> Any:
         if self.sampling.logprobs is None:
