@@ -33,9 +33,9 @@ class FrontDoorApi(Protocol):
 
     def live_counters(self) -> LiveCounters: ...
 
-    async def tokenize(self, text: str, field: str) -> list[int]:
-        """A text's token ids, as admission tokenizes them; raises ``ValidationError`` naming
-        ``field``."""
+    async def tokenize(self, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
+        """A text's token ids, as admission tokenizes them (or with the tokenizer's special
+        tokens added); raises ``ValidationError`` naming ``field``."""
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs name tokens with it)."""

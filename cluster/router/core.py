@@ -235,7 +235,7 @@ class Router:
                                                            f"{self.limits.max_seq_len}")
         return ids
 
-    async def tokenize(self, text: str, field: str) -> list[int]:
+    async def tokenize(self, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a text prompt, encoded on a small thread pool so a long prompt never
         stalls the streams on the router's loop. A text whose UTF-8 length alone proves it is
         too long (more bytes than max_input_len tokens of the longest token can hold) is
@@ -246,8 +246,11 @@ class Router:
                                            f"{self.limits.max_input_len} tokens (a token is at "
                                            f"most {self.max_token_bytes} bytes)")
         loop = asyncio.get_running_loop()
-        encoding = await loop.run_in_executor(self._text_pool, self._encode, text)
-        return encoding
+        encode = self._encode_special if add_special_tokens else self._encode
+        return await loop.run_in_executor(self._text_pool, encode, text)
+
+    def _encode_special(self, text: str) -> list[int]:
+        return self.tokenizer.encode_batch([text], add_special_tokens=True)[0].ids
 
     def _encode(self, text: str) -> list[int]:
         # encode_batch: the one entry point that lets go of the GIL while it works

@@ -218,3 +218,37 @@ def test_forced_tool_calls_validate_streamed_or_not_and_tool_turns_render(tools_
                                    tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "tool_choice.function.name" in info.value.message and "nope" in info.value.message
     U.wait_drained(cluster)
+
+
+def test_tokenize_detokenize_and_version_as_vllm_serves_them(cluster, engine):
+    import http.client
+
+    def call(method: str, path: str, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.http_port, timeout=30)
+        try:
+            conn.request(method, path, json.dumps(body).encode() if body is not None else None,
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+
+    tok = engine.engine.tokenizer
+    status, out = call("POST", "/tokenize", {"prompt": "héllo wörld", "return_token_strs": True})
+    want = tok.encode("héllo wörld", add_special_tokens=True).ids
+    assert status == 200 and out["tokens"] == want and out["count"] == len(want)
+    assert out["max_model_len"] == ENGINE["max_seq_len"] and len(out["token_strs"]) == len(want)
+    status, back = call("POST", "/detokenize", {"tokens": out["tokens"]})
+    assert status == 200 and back == {"prompt": "héllo wörld"}
+    # Chat messages: the template's text, as a chat request would be tokenized.
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat = call("POST", "/tokenize", {"messages": messages})
+    oa = client(cluster)
+    usage = oa.chat.completions.create(model=oa.models.list().data[0].id, messages=messages, max_tokens=1).usage
+    assert status == 200 and chat["count"] == usage.prompt_tokens
+    status, version = call("GET", "/version")
+    assert status == 200 and version["version"]
+    status, err = call("POST", "/detokenize", {"tokens": [1, 10**7]})
+    assert status == 400 and err["error"]["param"] == "tokens[1]"
+    status, err = call("POST", "/tokenize", {"prompt": 5})
+    assert status == 400 and err["error"]["param"] == "prompt"

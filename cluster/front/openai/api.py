@@ -218,6 +218,74 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given, tools)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    prompt: str | None
+    messages: tuple[dict[str, Any], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+    tools: ToolRequest | None = None
+
+
+def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
+    """vLLM's /tokenize body: ``prompt`` (add_special_tokens defaults to true), or chat
+    ``messages`` (add_generation_prompt defaults to true, add_special_tokens to false), with
+    ``return_token_strs``."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body.get("model"), served_model)
+    chat = "messages" in body
+    allowed = {"model", "add_special_tokens", "return_token_strs"} | (
+        {"messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs"}
+        if chat else {"prompt"})
+    for name in body:
+        if name not in allowed:
+            raise invalid(name, "unrecognized request argument")
+    if chat and body.get("chat_template_kwargs") not in (None, {}):
+        raise invalid("chat_template_kwargs", "is not supported")
+    if chat and body.get("continue_final_message") not in (None, False):
+        raise invalid("continue_final_message", "is not supported")
+    add_special = body.get("add_special_tokens")
+    add_special = (not chat) if add_special is None else _bool(add_special, "add_special_tokens")
+    strs = _bool(body.get("return_token_strs"), "return_token_strs")
+    if chat:
+        gen = body.get("add_generation_prompt")
+        gen = True if gen is None else _bool(gen, "add_generation_prompt")
+        try:
+            tools = parse_tools({"tools": body.get("tools")})
+        except ToolError as exc:
+            raise invalid(exc.param, exc.detail) from None
+        return TokenizeRequest(None, _messages(body.get("messages")), add_special, gen, strs, tools)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise invalid("prompt", f"must be a string, got {type(prompt).__name__}")
+    return TokenizeRequest(prompt, None, add_special, False, strs)
+
+
+def parse_detokenize(body: Any, served_model: str, vocab_size: int | None) -> list[int]:
+    """vLLM's /detokenize body: ``tokens``, ids in the vocabulary."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body.get("model"), served_model)
+    for name in body:
+        if name not in ("model", "tokens"):
+            raise invalid(name, "unrecognized request argument")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise invalid("tokens", "must be a list of token ids")
+    for i, t in enumerate(tokens):
+        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise invalid(f"tokens[{i}]", f"token id {t!r} is outside [0, {vocab_size})")
+    return tokens
+
+
+def _check_model(model: Any, served_model: str) -> None:
+    if model is not None and model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist (this server serves `{served_model}`)",
+                       param="model", code="model_not_found")
+
+
 # ---- field parsers -------------------------------------------------------------------------------
 
 def _is_one_of(value: Any, accepted: tuple) -> bool:

@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 from aiohttp import web
+
+import pdserve
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -47,7 +49,9 @@ from .api import (
     field_error,
     invalid,
     models_json,
+    parse_detokenize,
     parse_request,
+    parse_tokenize,
     prompt_logprobs_json,
     response_id,
     usage_chunk_json,
@@ -114,6 +118,9 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -144,6 +151,39 @@ class OpenAIServer:
             return error_response(ApiError(404, f"The model `{request.match_info['model']}` does not exist",
                                            param="model", code="model_not_found"))
         return json_response(models_json(self.model_id, self.created)["data"][0])
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a ``prompt`` (or chat ``messages``, rendered by the template) to
+        {count, max_model_len, tokens[, token_strs]}."""
+        try:
+            body = await _json_body(request)
+            req = parse_tokenize(body, self.model_id)
+            if req.messages is not None:
+                text = await self._render(req.messages, req.add_generation_prompt, req.tools)
+                field = "messages"
+            else:
+                text, field = req.prompt, "prompt"
+            try:
+                ids = await self.api.tokenize(text, field, req.add_special_tokens)
+            except ValidationError as exc:
+                raise invalid(exc.field, exc.message) from None
+        except ApiError as exc:
+            return error_response(exc)
+        out = {"count": len(ids), "max_model_len": self.api.limits.max_seq_len, "tokens": ids,
+               "token_strs": [self.api.token_text(t) for t in ids] if req.return_token_strs else None}
+        return json_response(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: ``tokens`` to {prompt}."""
+        try:
+            body = await _json_body(request)
+            ids = parse_detokenize(body, self.model_id, self.api.limits.vocab_size)
+        except ApiError as exc:
+            return error_response(exc)
+        return json_response({"prompt": self.api.detokenize(ids)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": pdserve.__version__})
 
     async def health(self, request: web.Request) -> web.Response:
         """The gRPC health's verdict: 503 while NOT_SERVING or shutting down."""
@@ -251,14 +291,7 @@ class OpenAIServer:
         spec = dataclasses.replace(parsed.spec, request_id=request_id)
         if parsed.kind != CHAT:
             return spec
-        if self.chat_template is None:
-            raise invalid("messages", f"the model {self.model_id} has no chat template "
-                                      "(tokenizer_config.json chat_template); use /v1/completions")
-        try:
-            text = self.chat_template.render(list(parsed.messages), add_generation_prompt=True,
-                                             tools=parsed.tools.template_tools() if parsed.tools else None)
-        except ChatTemplateError as exc:
-            raise invalid("messages", f"the chat template refused them: {exc}") from exc
+        text = await self._render(parsed.messages, True, parsed.tools)
         try:
             ids = await self.api.tokenize(text, "messages")
         except ValidationError as exc:
@@ -269,6 +302,16 @@ class OpenAIServer:
             max_tokens = max(1, min(room, limits.max_tokens_limit))
             spec = dataclasses.replace(spec, sampling=spec.sampling.replace(max_tokens=max_tokens))
         return dataclasses.replace(spec, token_ids=tuple(ids))
+
+    async def _render(self, messages, add_generation_prompt: bool, tools) -> str:
+        if self.chat_template is None:
+            raise invalid("messages", f"the model {self.model_id} has no chat template "
+                                      "(tokenizer_config.json chat_template); use /v1/completions")
+        try:
+            return self.chat_template.render(list(messages), add_generation_prompt=add_generation_prompt,
+                                             tools=tools.template_tools() if tools else None)
+        except ChatTemplateError as exc:
+            raise invalid("messages", f"the chat template refused them: {exc}") from exc
 
     async def _admit(self, spec, kind: str):
         try:
