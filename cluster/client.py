@@ -140,9 +140,19 @@ class Client:
         disaggregation: str = "AUTO",
         request_id: str | None = None,
         deadline_ms: int | None = None,
+        **more_sampling,
     ) -> pb.GenerateRequest:
+        """``more_sampling``: any other field of the proto's SamplingParams by name (min_tokens,
+        presence_penalty, logit_bias={id: bias}, logprobs, ...); ``structured`` takes a dict
+        such as {"json_schema": "<schema JSON>"} or {"regex": "..."}."""
+        structured = more_sampling.pop("structured", None)
         sampling = pb.SamplingParams(top_k=top_k, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                     stop=list(stop))
+                                     stop=list(stop), **more_sampling)
+        if structured is not None:
+            choice = structured.get("choice")
+            if choice is not None:
+                structured = {"choice": pb.ChoiceList(choices=list(choice))}
+            sampling.structured.CopyFrom(pb.StructuredOutput(**structured))
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         if temperature is not None:

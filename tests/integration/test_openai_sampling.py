@@ -90,6 +90,13 @@ def test_penalties_and_logprobs_across_the_split_equal_the_engine(cluster, engin
     assert [p.logprob for p in pieces] == pytest.approx([c.logprob for c in content], abs=1e-6)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
 
+    # vLLM's continuous_usage_stats (GuideLLM sends it): every chunk carries the usage so far.
+    chunks = list(oa.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0, stream=True,
+                                        stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                        extra_body={"ignore_eos": True}))
+    done = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == len(ids) for c in chunks) and done == sorted(done) and done[-1] == 8
+
     # vLLM's prompt_logprobs extension: the prompt's own token and the top k, by token id.
     raw = oa.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
                                 extra_body={"prompt_logprobs": 2}).model_dump()

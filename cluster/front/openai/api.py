@@ -86,10 +86,12 @@ class ParsedRequest:
     kind: str
     spec: GenerateSpec  # for chat: no prompt yet (the router renders the messages)
     stream: bool
-    include_usage: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     messages: tuple[dict[str, Any], ...] = ()  # chat only, content flattened to text
     max_tokens_given: bool = True  # chat without max_tokens: as many as the context allows
     tools: ToolRequest | None = None  # chat only
+    # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far.
+    continuous_usage: bool = False
 
 
 def openai_param(field: str, kind: str) -> str:
@@ -132,7 +134,7 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
         stream = False
     if not isinstance(stream, bool):
         raise invalid("stream", f"must be a boolean, got {stream!r}")
-    include_usage = _stream_options(body.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
 
     max_tokens = body.get("max_tokens")
     if kind == CHAT and body.get("max_completion_tokens") is not None:
@@ -214,8 +216,9 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if kind == COMPLETIONS:
         text, token_ids = _prompt(body.get("prompt"))
         return ParsedRequest(kind, dataclasses.replace(spec, text=text, token_ids=token_ids), stream,
-                             include_usage)
-    return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given, tools)
+                             include_usage, continuous_usage=continuous_usage)
+    return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given, tools,
+                         continuous_usage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,9 +350,10 @@ def _int_list(value: Any, name: str) -> tuple:
     return tuple(value)
 
 
-def _stream_options(value: Any, stream: bool) -> bool:
+def _stream_options(value: Any, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
     if value is None:
-        return False
+        return False, False
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(value, dict):
@@ -357,9 +361,8 @@ def _stream_options(value: Any, stream: bool) -> bool:
     for key in value:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise invalid(f"stream_options.{key}", "unrecognized option")
-    if value.get("continuous_usage_stats"):
-        raise invalid("stream_options.continuous_usage_stats", "is not supported")
-    return _bool(value.get("include_usage"), "stream_options.include_usage")
+    return (_bool(value.get("include_usage"), "stream_options.include_usage"),
+            _bool(value.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

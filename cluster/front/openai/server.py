@@ -80,7 +80,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
-def sse(obj: dict[str, Any]) -> bytes:
+def sse_bytes(obj: dict[str, Any]) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
@@ -249,6 +249,14 @@ class OpenAIServer:
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
         model = self.model_id
+        prompt_tokens = len(choice.prompt_ids)
+
+        def sse(chunk: dict[str, Any]) -> bytes:
+            if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+                done = choice.completion_tokens
+                chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                  "total_tokens": prompt_tokens + done}
+            return sse_bytes(chunk)
         try:
             if kind == CHAT:
                 await resp.write(sse(chunk_json(kind, rid, created, model, text="", role=True)))
@@ -280,7 +288,7 @@ class OpenAIServer:
                     break
                 item = await anext(results)
         except RouterError as exc:
-            await resp.write(sse(self._api_error(exc, kind).body()))
+            await resp.write(sse_bytes(self._api_error(exc, kind).body()))
         except ConnectionResetError:
             return resp  # the client left; leaving the `aclosing` block cancels the request
         await resp.write(DONE)
@@ -345,12 +353,14 @@ class _Choice:
         self.prompt_logprobs: list[Any] | None = None
         self.completion_lps = CompletionLogprobs(api.token_text)
         self._echoed = False
+        self.completion_tokens = 0
 
     def _echo_text(self) -> str:
         return self.api.detokenize(self.prompt_ids)
 
     def delta(self, out) -> tuple[str, Any, Any]:
         """(text, logprobs, prompt_logprobs) to send for this output."""
+        self.completion_tokens += len(out.token_ids)
         text = out.text
         logprobs = None
         prompt_lps = None
