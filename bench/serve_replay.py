@@ -117,6 +117,76 @@ def words_for(token_ids: Sequence[int]) -> str:
     return " ".join(CHAT_WORDS[t % len(CHAT_WORDS)] for t in token_ids)
 
 
+class OpenAIStreamCounter:
+    """Counts one streamed OpenAI response (its SSE lines, as they arrive) into a RequestRecord.
+
+    A chunk whose choice carries text is one delta; the first one is the first token. A byte-level
+    model can emit tokens whose bytes are an incomplete UTF-8 character: the server holds their
+    text back and sends a chunk with empty text, or none at all until the character completes or
+    the stream ends. So a chunk with empty text (not chat's opening role chunk) is a token arrival
+    too, and a stream whose only content is its finish chunk got its output then: the finish
+    chunk is its first token, and its delta holds every token ``usage`` counts. The token count is
+    ``usage.completion_tokens``; the last delta takes the tokens the chunks did not account for.
+    """
+
+    def __init__(self, rec: RequestRecord, endpoint: str) -> None:
+        self.rec, self.chat = rec, endpoint == "chat"
+        self.finish_chunk_s: float | None = None
+
+    def line(self, line: bytes, now: float) -> None:
+        if line.startswith(b"data: {"):
+            self.chunk(json.loads(line[6:]), now)
+
+    def chunk(self, chunk: dict[str, Any], now: float) -> None:
+        rec = self.rec
+        if "error" in chunk:
+            rec.error = f"stream error: {(chunk['error'] or {}).get('message')}"
+            return
+        for choice in chunk.get("choices") or ():
+            if self.chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                opening = "role" in delta and not text  # the role announcement: no token yet
+            else:
+                text, opening = choice.get("text"), False
+            finish = choice.get("finish_reason")
+            if text or (text is not None and not opening and not finish):
+                rec.deltas.append((now, 1))
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+            if finish:
+                rec.finish_s = now
+                if self.finish_chunk_s is None:
+                    self.finish_chunk_s = now
+                if finish not in ("length", "stop"):
+                    rec.error = f"finish_reason={finish}"
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+            rec.num_tokens = usage["completion_tokens"]
+            rec.prompt_len = usage["prompt_tokens"]
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        timings = chunk.get("pdserve_timings")
+        if timings:
+            rec.queue_ms, rec.server_ttft_ms = timings["queue_ms"], timings["ttft_ms"]
+            rec.server_e2e_ms, rec.kv_bytes = timings["e2e_ms"], timings["kv_transfer_bytes"]
+            rec.kv_ms, rec.pauses = timings["kv_transfer_ms"], timings["pauses"]
+            rec.local_prefill, rec.worker = timings["local_prefill"], timings["gen_worker"]
+
+    def close(self) -> None:
+        """After the stream's last line."""
+        rec = self.rec
+        if rec.first_token_s is None and self.finish_chunk_s is not None and not rec.error:
+            # every token's text was held back until the end: the output arrived with the finish
+            rec.first_token_s = self.finish_chunk_s
+            if rec.num_tokens > 0:
+                rec.deltas.append((self.finish_chunk_s, rec.num_tokens))
+        elif rec.deltas and rec.num_tokens > len(rec.deltas):
+            # A chunk can carry several tokens (text held back for a multi-byte character):
+            # the last delta takes the tokens the chunks did not account for.
+            t, n = rec.deltas[-1]
+            rec.deltas[-1] = (t, n + rec.num_tokens - len(rec.deltas))
+
+
 async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, model: str | None, label: str,
                          timeout_s: float, progress: bool, warmup: int, api_key: str | None = None,
                          tls_ca: str | None = None) -> ServeRun:
@@ -156,40 +226,12 @@ async def _replay_openai(url: str, work: Sequence[WorkItem], *, endpoint: str, m
             async with session.post(path, json=body(item_prompt, max_tokens)) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+                counter = OpenAIStreamCounter(rec, endpoint) if rec is not None else None
                 async for line in resp.content:
-                    if not line.startswith(b"data: {") or rec is None:
-                        continue
-                    now = time.monotonic() - t0
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        rec.error = f"stream error: {chunk['error'].get('message')}"
-                        continue
-                    for choice in chunk.get("choices") or ():
-                        text = choice.get("text") if endpoint != "chat" else (choice.get("delta") or {}).get("content")
-                        if text:
-                            rec.deltas.append((now, 1))
-                            if rec.first_token_s is None:
-                                rec.first_token_s = now
-                        if choice.get("finish_reason"):
-                            rec.finish_s = now
-                            if choice["finish_reason"] not in ("length", "stop"):
-                                rec.error = f"finish_reason={choice['finish_reason']}"
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                        rec.num_tokens = usage["completion_tokens"]
-                        rec.prompt_len = usage["prompt_tokens"]
-                        rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    timings = chunk.get("pdserve_timings")
-                    if timings:
-                        rec.queue_ms, rec.server_ttft_ms = timings["queue_ms"], timings["ttft_ms"]
-                        rec.server_e2e_ms, rec.kv_bytes = timings["e2e_ms"], timings["kv_transfer_bytes"]
-                        rec.kv_ms, rec.pauses = timings["kv_transfer_ms"], timings["pauses"]
-                        rec.local_prefill, rec.worker = timings["local_prefill"], timings["gen_worker"]
-            if rec is not None and rec.deltas and rec.num_tokens > len(rec.deltas):
-                # A chunk can carry several tokens (text held back for a multi-byte character):
-                # the last delta takes the tokens the chunks did not account for.
-                t, n = rec.deltas[-1]
-                rec.deltas[-1] = (t, n + rec.num_tokens - len(rec.deltas))
+                    if counter is not None:
+                        counter.line(line, time.monotonic() - t0)
+                if counter is not None:
+                    counter.close()
 
         for i in range(warmup):
             await stream(list(work[i % len(work)].prompt[:32]), 4, None, time.monotonic())
