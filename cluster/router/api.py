@@ -37,6 +37,9 @@ class FrontDoorApi(Protocol):
         """A text's token ids, as admission tokenizes them (or with the tokenizer's special
         tokens added); raises ``ValidationError`` naming ``field``."""
 
+    def note_rejected(self) -> None:
+        """Count a request the door refused before admit() (the router's rejected total)."""
+
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (logprobs name tokens with it)."""
 

@@ -259,6 +259,10 @@ class Router:
     def _decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def note_rejected(self) -> None:
+        """A door refused a request before admit() saw it (a field its own parsing checks)."""
+        self.counters.count("rejected")
+
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (how logprobs name tokens)."""
         text = self._token_texts.get(token_id)

@@ -90,6 +90,7 @@ class RouterServicer:
         try:
             req = await api.admit(spec_from_proto(request), context.time_remaining())
         except ValidationError as exc:  # the sampling record's own ranges, found while converting
+            api.note_rejected()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RouterError as exc:
             await context.abort(STATUS_CODE[exc.kind], exc.message)

@@ -72,6 +72,7 @@ class ApiError(Exception):
                  type_: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.counted = False  # already in the router's rejected total
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -216,6 +216,8 @@ class OpenAIServer:
             spec = await self._spec(parsed, request.headers.get("X-Request-Id"))
             req = await self._admit(spec, kind)
         except ApiError as exc:
+            if exc.status == 400 and not exc.counted:
+                self.api.note_rejected()  # refused by the door's own parsing, before admit()
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
@@ -325,7 +327,9 @@ class OpenAIServer:
         try:
             return await self.api.admit(spec)
         except RouterError as exc:
-            raise self._api_error(exc, kind) from None
+            error = self._api_error(exc, kind)
+            error.counted = True  # admit() counted it
+            raise error from None
 
     @staticmethod
     def _api_error(exc, kind: str) -> ApiError:
