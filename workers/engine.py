@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from pdserve.scheduler import LlmRequest
-from pdserve.transport.requests import WireUpdate
+from pdserve.transport.requests import UpdateKind, WireUpdate
 
 from .config import EngineConfig
 
@@ -34,6 +34,18 @@ _DEFAULT_KV_MEMORY_CAP = 2 << 30
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One returned candidate of a request (vLLM's CompletionOutput)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None  # with logprobs (and always with best_of)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
@@ -45,6 +57,9 @@ class RequestOutput:
     # one per prompt token after the first.
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    # Every returned candidate (n of them; with best_of, the n best by cumulative logprob, best
+    # first); the fields above are the first one's.
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 def build_executor(
@@ -151,6 +166,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self._ids = itertools.count()
         self._outputs: dict[int, RequestOutput] = {}
+        self._candidates: dict[int, tuple[list[CompletionOutput], SamplingParams]] = {}
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -174,13 +190,16 @@ class LLMEngine:
         if params.bad_words:
             params = params.replace(bad_words_token_ids=bad_words_to_token_ids(
                 params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False).ids))
-        if params.candidates > 1:
-            raise ValueError("n: more than one choice per prompt is not supported offline yet")
+        wanted = params
+        if params.best_of is not None and params.best_of > params.n and params.logprobs is None:
+            params = params.replace(logprobs=0)  # ranking needs each token's logprob
         ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else int(request_id)
         request = LlmRequest(rid, ids, params.max_tokens, priority=priority)
         self.executor.add_request(request, params)
         self._outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
+        self._candidates[rid] = ([CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                                  for i in range(params.candidates)], wanted)
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -199,17 +218,45 @@ class LLMEngine:
 
     def _apply(self, update: WireUpdate) -> RequestOutput:
         out = self._outputs[update.request_id]
-        out.token_ids.extend(update.new_token_ids)
-        if update.logprobs and out.logprobs is not None:
-            out.logprobs.extend(update.logprobs)
+        candidates, wanted = self._candidates[update.request_id]
         if update.prompt_logprobs is not None:
             out.prompt_logprobs = list(update.prompt_logprobs)
+        cand = candidates[update.index]
+        cand.token_ids.extend(update.new_token_ids)
+        if update.logprobs and cand.logprobs is not None:
+            cand.logprobs.extend(update.logprobs)
+        if update.index == 0:
+            out.token_ids.extend(update.new_token_ids)
+            if update.logprobs and out.logprobs is not None:
+                out.logprobs.extend(update.logprobs)
+        if update.kind == UpdateKind.CHOICE_DONE or update.finished:
+            cand.finish_reason = update.outcome
         if update.finished:
-            out.finished = True
-            out.finish_reason = update.outcome
-            out.text = self.decode(out.token_ids)
-            del self._outputs[update.request_id]
+            for other in candidates:  # the request ended them (an abort, a deadline)
+                if other.finish_reason is None:
+                    other.finish_reason = update.outcome
+            self._finish(out, candidates, wanted)
+            del self._outputs[update.request_id], self._candidates[update.request_id]
         return out
+
+    def _finish(self, out: RequestOutput, candidates: list[CompletionOutput],
+                wanted: SamplingParams) -> None:
+        for cand in candidates:
+            cand.text = self.decode(cand.token_ids)
+            if cand.logprobs is not None:
+                cand.cumulative_logprob = sum(e.logprob for e in cand.logprobs)
+        if wanted.best_of is not None and wanted.best_of > wanted.n:
+            ranked = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:wanted.n]
+        else:
+            ranked = candidates
+        if wanted.logprobs is None:
+            for cand in ranked:
+                cand.logprobs = None
+        out.outputs = ranked
+        best = ranked[0]
+        out.finished = True
+        out.token_ids, out.text, out.finish_reason = list(best.token_ids), best.text, best.finish_reason
+        out.logprobs = best.logprobs
 
 
 class LLM:
@@ -247,6 +294,8 @@ class LLM:
         iterator early aborts whatever is still running."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        if any(p.candidates > 1 for p in params):
+            raise ValueError("n/best_of: several candidates per prompt are returned by generate()")
         rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         pending = set(rids)
         sent_text: dict[int, str] = {r: "" for r in rids}

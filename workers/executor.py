@@ -12,6 +12,7 @@ The request bookkeeping is the same pure code the simulated worker runs
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -31,8 +32,9 @@ from pdserve.scheduler import (
     SimpleScheduler,
     lifecycle,
 )
+from pdserve.scheduler.kv_cache import KVCacheOutOfBlocksError
 from pdserve.scheduler.reorder import insert_request_in_order
-from pdserve.transport.requests import ErrorKind, TokenLogprobs, UpdateInfo, WireUpdate
+from pdserve.transport.requests import ErrorKind, TokenLogprobs, UpdateInfo, UpdateKind, WireUpdate
 
 from .config import EngineConfig
 from .kv_pool import KVPool
@@ -74,6 +76,17 @@ class _Tracked:
     # prompt_logprobs: the entries so far (one per prompt token after the first), None once
     # sent with the first token (or when not asked for).
     prompt_logprobs: list | None = None
+    # n / best_of: candidate ``index`` of the request the router knows as ``wire_id`` (a
+    # candidate after the first is a child request of its own, sharing the prompt's KV).
+    wire_id: int = 0
+    index: int = 0
+    # The first candidate, until its prefill ends: the other candidates' samplers (they draw
+    # their first tokens from the same logits), then their (token, logprobs).
+    choice_samplers: list | None = None
+    choice_firsts: list | None = None
+    # A generation-only first candidate: the other candidates' first tokens (the context
+    # worker drew them), forked off once its KV has arrived.
+    choice_tokens: tuple = ()
 
 
 class Executor:
@@ -140,6 +153,10 @@ class Executor:
         self.waiting: list[LlmRequest] = []
         self.active: list[LlmRequest] = []
         self.tracked: dict[int, _Tracked] = {}
+        # n / best_of: candidates after the first run as child requests with ids of their own
+        # (negative: the router's ids are not), and each request's candidates still running.
+        self._child_ids = itertools.count(-1, -1)
+        self._open_choices: dict[int, int] = {}
         self.stats = ExecutorStats()
         # Transfers, pauses and resumes for people (log lines, dashboard, pdserve top).
         self.events = WorkerEvents(transceiver.worker_id if transceiver is not None else worker_id)
@@ -163,7 +180,8 @@ class Executor:
 
     def add_request(self, request: LlmRequest, params: SamplingParams, *,
                     deadline: float | None = None, forced_tokens: Sequence[int] = (),
-                    stream_kv: bool = False, output_start: int | None = None) -> None:
+                    stream_kv: bool = False, output_start: int | None = None,
+                    choice_tokens: Sequence[Sequence[int]] = ()) -> None:
         """Validates against the model and the pool; raises ValueError naming the field.
 
         ``deadline`` (on the executor's clock): past it the request is aborted with finish reason
@@ -214,9 +232,23 @@ class Executor:
             if request.is_generation_only_request and cpp is not None and not forced:
                 output += list(cpp.first_gen_tokens)
             matcher = self._grammar_matcher(params.guided, output)
-        sampler = RequestSampler(params, self._device, output_start=output_start,
+        candidates = params.candidates
+        if candidates > 1 and (forced or stream_kv or request.beam_width != 1):
+            raise ValueError("n/best_of: a request of several candidates starts from its prompt")
+        if request.is_generation_only_request and len(choice_tokens) != candidates - 1:
+            raise ValueError(f"choice_tokens: {candidates - 1} first tokens expected (n/best_of "
+                             f"{candidates}), got {len(choice_tokens)}")
+        first_params = params.for_choice(0) if candidates > 1 else params
+        sampler = RequestSampler(first_params, self._device, output_start=output_start,
                                  eos_token_ids=tuple(self.eos_token_ids), matcher=matcher)
-        tracked = _Tracked(request, sampler, params, forced, deadline=deadline, stream_kv=stream_kv)
+        tracked = _Tracked(request, sampler, params, forced, deadline=deadline, stream_kv=stream_kv,
+                           wire_id=request.request_id)
+        if candidates > 1:
+            if request.is_generation_only_request:
+                tracked.choice_tokens = tuple(tuple(int(t) for t in c) for c in choice_tokens)
+            else:
+                tracked.choice_samplers = [self._choice_sampler(params, i, output_start, [])
+                                           for i in range(1, candidates)]
         if params.prompt_logprobs is not None and not request.is_generation_only_request:
             # Every prompt position is computed here: a cached prefix would skip some, so the
             # request's blocks are salted out of the shared prefix cache (vLLM does the same).
@@ -244,6 +276,66 @@ class Executor:
         self._num_deadlines += deadline is not None
         insert_request_in_order(self.waiting, request)
 
+    def _choice_sampler(self, params: SamplingParams, index: int, output_start: int,
+                        output: list[int]) -> RequestSampler:
+        """Candidate ``index``'s sampler: seed + index (vLLM's rule), its own grammar state."""
+        matcher = self._grammar_matcher(params.guided, output) if params.guided is not None else None
+        return RequestSampler(params.for_choice(index), self._device, output_start=output_start,
+                              eos_token_ids=tuple(self.eos_token_ids), matcher=matcher)
+
+    def _fork_choices(self, parent: LlmRequest, firsts: list[tuple[int, TokenLogprobs | None]],
+                      samplers: list[RequestSampler] | None, *, reported: bool) -> list[LlmRequest]:
+        """Candidates 1.. of ``parent`` as child requests right after its prefill (its KV holds
+        the prompt, nothing more): each shares the prompt's full blocks and gets a copy of the
+        partial last one, and starts generating after its own first token. A child that finds
+        no free block for its copy is paused: it recomputes its prompt when there is room."""
+        pt = self.tracked[parent.request_id]
+        prompt = parent.get_tokens(0)[:parent.prompt_len]
+        children = []
+        for i, (token, _) in enumerate(firsts, start=1):
+            child = LlmRequest(next(self._child_ids), prompt, parent.max_new_tokens,
+                               priority=parent.priority, client_id=parent.client_id)
+            child.arrival_seq = parent.arrival_seq
+            # (Its grammar state takes the first token in _after_token, as the first candidate's.)
+            sampler = (samplers[i - 1] if samplers is not None else
+                       self._choice_sampler(pt.params, i, pt.sampler.output_start, []))
+            # ``reported``: the router has the first tokens already (the context worker's).
+            tracked = _Tracked(child, sampler, sampler.params, [token] if reported else [],
+                               deadline=pt.deadline, wire_id=pt.wire_id, index=i)
+            child.add_new_token(token)
+            child.decoding_iter = 1
+            child.context_current_position = child.prompt_len
+            child.state = LlmRequestState.GENERATION_IN_PROGRESS
+            self.tracked[child.request_id] = tracked
+            self._num_deadlines += tracked.deadline is not None
+            try:
+                copy = self.kv.fork_sequence(parent.request_id, child)
+            except KVCacheOutOfBlocksError:
+                lifecycle.pause_requests([child], self.kv, self.max_input_len)
+                self.paused_since[child.request_id] = time.monotonic()
+            else:
+                if copy is not None:
+                    self.kv_pool.copy_block(*copy)
+            self.active.append(child)
+            children.append(child)
+        self._open_choices[pt.wire_id] = len(firsts) + 1
+        return children
+
+    def _fork_received(self, request: LlmRequest) -> list[WireUpdate]:
+        """A generation-only request of several candidates whose KV has arrived: the other
+        candidates (their first tokens came from the context worker, through the router) fork
+        off before its first decode. A candidate whose first token already ends it finishes
+        here."""
+        tracked = self.tracked[request.request_id]
+        firsts = [(c[0], None) for c in tracked.choice_tokens]
+        tracked.choice_tokens = ()
+        out = []
+        for child, (first, _) in zip(self._fork_choices(request, firsts, None, reported=True), firsts):
+            update = self._after_token(child, first, None)
+            if update.finished or update.kind != UpdateKind.TOKENS:
+                out.append(update)
+        return out
+
     def _grammar_matcher(self, guided: tuple[str, str], output: list[int]):
         """A structured-output request's matcher, after ``output``; ValueError (the request is
         refused) when its grammar does not compile or the output breaks it."""
@@ -259,9 +351,24 @@ class Executor:
     def abort(self, request_id: int, reason: str = "abort") -> WireUpdate | None:
         """Frees everything the request holds. Returns its final update (ABORTED, or FAILED
         with ErrorKind.DEADLINE for reason "deadline"), or None if unknown."""
+        known = self.tracked.get(request_id)
+        if known is not None and known.wire_id != request_id:
+            request_id = known.wire_id  # a candidate's child: the whole request ends
         final = (WireUpdate.failed(request_id, ErrorKind.DEADLINE, "deadline exceeded")
                  if reason == "deadline" else WireUpdate.aborted(request_id))
+        children = [cid for cid, t in self.tracked.items()
+                    if t.wire_id == request_id and cid != request_id]
+        for cid in children:
+            child = self._untrack(cid).request
+            for queue in (self.waiting, self.active):
+                if child in queue:
+                    queue.remove(child)
+            lifecycle.finish_request(child, self.kv)
+        self._open_choices.pop(request_id, None)
         tracked = self._untrack(request_id)
+        if tracked is None and children:
+            self.stats.aborted += 1
+            return final
         if tracked is None:
             handed_off = self.transceiver.transmitting.get(request_id) if self.transceiver else None
             if handed_off is None:
@@ -365,6 +472,8 @@ class Executor:
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
         for request in out.generation_requests:
+            if self.tracked[request.request_id].choice_tokens:
+                updates.extend(self._fork_received(request))
             lifecycle.prepare_generation_step(request, self.kv)
 
         if not contexts and not out.generation_requests:
@@ -382,7 +491,17 @@ class Executor:
             self.stats.context_tokens += n
             token, logprobs = tokens.get(request.request_id, (None, None))
             if lifecycle.complete_context_chunk(request, self.kv, token):
-                updates.append(self._after_token(request, token, logprobs))
+                tracked = self.tracked[request.request_id]
+                firsts = tracked.choice_firsts
+                if firsts is not None and not request.is_context_only_request:
+                    samplers = tracked.choice_samplers
+                    tracked.choice_samplers = tracked.choice_firsts = None
+                    children = self._fork_choices(request, firsts, samplers, reported=False)
+                    updates.append(self._after_token(request, token, logprobs))
+                    for child, (first, lp) in zip(children, firsts):
+                        updates.append(self._after_token(child, first, lp))
+                else:
+                    updates.append(self._after_token(request, token, logprobs))
         for request in out.generation_requests:
             token, logprobs = tokens[request.request_id]
             lifecycle.complete_generation_step(request, token)
@@ -559,10 +678,19 @@ class Executor:
         if not producing:
             return {}
         rows = torch.tensor([row for row, _ in producing], dtype=torch.long, device=logits.device)
-        sampled, logprobs = sample(
-            logits.index_select(0, rows), [self.tracked[r.request_id].sampler for _, r in producing],
-            [r.get_tokens(0) for _, r in producing],
-        )
+        picked = logits.index_select(0, rows)
+        sequences = [r.get_tokens(0) for _, r in producing]
+        sampled, logprobs = sample(picked, [self.tracked[r.request_id].sampler for _, r in producing],
+                                   sequences)
+        for i, (_, request) in enumerate(producing):
+            tracked = self.tracked[request.request_id]
+            if tracked.choice_samplers is not None and request.is_context_init_state:
+                # n / best_of: every candidate's first token from the one prefill's logits.
+                row = picked[i:i + 1]
+                tracked.choice_firsts = []
+                for sampler in tracked.choice_samplers:
+                    tok, lp = sample(row, [sampler], [sequences[i]])
+                    tracked.choice_firsts.append((tok[0], lp[0]))
         return {r.request_id: (tok, lp) for (_, r), tok, lp in zip(producing, sampled, logprobs)}
 
     def _note_prompt_logprobs(self, request: LlmRequest, rows: torch.Tensor, past: int) -> None:
@@ -612,15 +740,23 @@ class Executor:
             reason = "stop"
         elif lifecycle.reached_max_tokens(request):
             reason = "length"
-        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS and reason in (None, "length"):
+        rid, index = tracked.wire_id, tracked.index
+        if request.state == LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS and (
+                reason in (None, "length") or tracked.choice_firsts is not None):
             # Context-only: the slot is freed now, the blocks stay leased for the generation side
-            # (never past the request's deadline).
+            # (never past the request's deadline). With several candidates, every candidate's
+            # first token goes along (new_token_ids[i] is candidate i's): the generation side
+            # decides which of them ended.
+            if tracked.choice_firsts is not None:
+                new = list(new) + [t for t, _ in tracked.choice_firsts]
+                if lps is not None:
+                    lps = lps + tuple(lp for _, lp in tracked.choice_firsts)
             lease_s = self._time_left(request.request_id)
             self.active.remove(request)
             self._untrack(request.request_id)
             info = self._request_info(request)
             params = self.transceiver.hand_off(request, self.kv, token, lease_s=lease_s)
-            return WireUpdate.context_done(request.request_id, new, params, info, logprobs=lps,
+            return WireUpdate.context_done(rid, new, params, info, logprobs=lps,
                                            prompt_logprobs=plps)
         if self.transceiver is not None and request.request_id in self.transceiver.streaming:
             # A layer-wise context request that ended at its first token: its send may be in
@@ -631,24 +767,31 @@ class Executor:
             info = self._request_info(request)
             self.transceiver.end_stream(request, f"the request finished ({reason})")
             self.stats.finished += 1
-            return WireUpdate.finished_with(request.request_id, new, reason, info, logprobs=lps,
+            return WireUpdate.finished_with(rid, new, reason, info, logprobs=lps,
                                             prompt_logprobs=plps)
         if reason is None:
             received = self.transceiver.received if self.transceiver is not None else None
             if received and request.request_id in received:
                 # The first decode after a receive tells the router how the KV arrived; the
                 # finishing update then reports 0 bytes more (the router adds them up).
-                return WireUpdate.tokens(request.request_id, new, self._transfer_info(request),
-                                         logprobs=lps, prompt_logprobs=plps)
-            return WireUpdate.tokens(request.request_id, new, logprobs=lps, prompt_logprobs=plps)
+                return WireUpdate.tokens(rid, new, self._transfer_info(request),
+                                         logprobs=lps, prompt_logprobs=plps, index=index)
+            return WireUpdate.tokens(rid, new, logprobs=lps, prompt_logprobs=plps, index=index)
         tracked.finish_reason = reason
         self.active.remove(request)
         self._untrack(request.request_id)
         info = self._request_info(request)
         lifecycle.finish_request(request, self.kv, LlmRequestState.GENERATION_COMPLETE)
         self.stats.finished += 1
-        return WireUpdate.finished_with(request.request_id, new, reason, info, logprobs=lps,
-                                        prompt_logprobs=plps)
+        open_choices = self._open_choices.get(rid)
+        if open_choices is not None:
+            if open_choices > 1:  # other candidates go on: this one's end is not the request's
+                self._open_choices[rid] = open_choices - 1
+                return WireUpdate.choice_done(rid, index, new, reason, info, logprobs=lps,
+                                              prompt_logprobs=plps)
+            del self._open_choices[rid]
+        return WireUpdate.finished_with(rid, new, reason, info, logprobs=lps,
+                                        prompt_logprobs=plps, index=index)
 
     def _request_info(self, request: LlmRequest) -> UpdateInfo:
         moved = self._transfer_info(request)

@@ -183,7 +183,8 @@ class WorkerHost:
                     self.executor.add_request(request, params, deadline=deadline,
                                               forced_tokens=wire.forced_tokens,
                                               stream_kv=wire.stream_kv,
-                                              output_start=wire.output_start)
+                                              output_start=wire.output_start,
+                                              choice_tokens=wire.choice_tokens)
                 except ValueError as exc:
                     sink(WireUpdate.failed(rid, ErrorKind.REJECTED, str(exc)))
                 except Exception as exc:  # refused for another reason: the loop goes on

@@ -141,6 +141,11 @@ class KVPool:
         src = data.to(device=self.device, dtype=self.dtype).contiguous()
         self._rows.index_copy_(0, rows, src.view(rows.numel(), self.block_numel))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` becomes a copy of block ``src`` in every layer, K and V (a forked
+        sequence's copy-on-write of a partial block)."""
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
+
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's view [2, num_blocks, B, kv_heads, head_dim] (what the model reads)."""
         return self.kv[layer]

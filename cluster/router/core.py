@@ -34,7 +34,7 @@ from pdserve.cluster import policies as P
 from pdserve.cluster import validation as V
 from pdserve.cluster.text_stream import TextStream
 from pdserve.scheduler import AgentTreePolicy, LlmRequest
-from pdserve.transport.requests import UpdateInfo, WireUpdate, WorkerInfo
+from pdserve.transport.requests import UpdateInfo, UpdateKind, WireUpdate, WorkerInfo
 from pdserve.transport.requests.sampling import SamplingParams, bad_words_to_token_ids
 
 from .config import RouterConfig
@@ -151,6 +151,8 @@ class Router:
             V.validate_generate_spec(spec, self.limits)
             prompt = await self._prompt_ids(spec)
             sampling = self._resolve_bad_words(spec.sampling)
+            if sampling.best_of is not None and sampling.best_of > sampling.n and sampling.logprobs is None:
+                sampling = sampling.replace(logprobs=0)  # best_of ranks by cumulative logprob
         except V.ValidationError as exc:
             self.counters.count("rejected")
             raise RouterError(RouterErrorKind.INVALID_ARGUMENT, str(exc), exc.field, exc.message) from None
@@ -282,27 +284,51 @@ class Router:
         """Stream tokens to the client; with ``finish_reason`` the request completes. A stop
         string in the text completes it too: its live attempts are aborted and
         StopStringReached ends the attempt loop. ``update``: the worker's update the tokens
-        came in (its logprobs go along)."""
+        came in (its logprobs and candidate index go along). With several candidates (n /
+        best_of) each ends on its own (CHOICE_DONE, a stop string) and the request completes
+        when all have; a CONTEXT_DONE brings every candidate's first token."""
         logprobs = update.logprobs if update is not None else None
         prompt_logprobs = update.prompt_logprobs if update is not None else None
+        req.note_info(info)
+        if req.several and update is not None and update.kind == UpdateKind.CONTEXT_DONE:
+            for i, token in enumerate(tokens):
+                await self._emit_candidate(req, i, [token], None,
+                                           logprobs[i:i + 1] if logprobs else None,
+                                           prompt_logprobs if i == 0 else None, False)
+            return
+        index = update.index if update is not None else 0
+        worker_finished = finish_reason is not None and (update is None or update.finished)
+        await self._emit_candidate(req, index, tokens, finish_reason, logprobs, prompt_logprobs,
+                                   worker_finished)
+
+    async def _emit_candidate(self, req: RouterRequest, index: int, tokens: list[int],
+                              finish_reason: str | None, logprobs, prompt_logprobs,
+                              worker_finished: bool) -> None:
+        cand = req.candidates[index]
+        if cand.finish_reason is not None:
+            return  # a stop string ended this candidate; its worker went on for the others
         now = time.monotonic()
         if tokens and req.first_token is None:
             req.first_token = now
             self.counters.observe_ttft(now - req.received)
-        req.note_info(info)
-        req.streamed.extend(tokens)
-        text = req.text.push(tokens)
-        worker_finished = finish_reason is not None
-        if req.text.stopped:
+        cand.streamed.extend(tokens)
+        text = cand.text.push(tokens)
+        if cand.text.stopped:
             finish_reason = "stop"
         if finish_reason is None:
             if tokens or prompt_logprobs:
-                await req.out.put(token_output(req, tokens, text, logprobs, prompt_logprobs))
+                await req.out.put(token_output(req, tokens, text, logprobs, prompt_logprobs, index))
             return
-        text += req.text.finish()
+        text += cand.text.finish()
+        cand.finish_reason = finish_reason
+        if any(c.finish_reason is None for c in req.candidates):
+            await req.out.put(token_output(req, tokens, text, logprobs, prompt_logprobs, index,
+                                           choice_finish_reason=finish_reason))
+            return
         self.counters.count_completed(req, now - req.received)
         req.move(Phase.DONE)
-        await req.out.put(final_output(req, tokens, finish_reason, text, logprobs, prompt_logprobs))
+        await req.out.put(final_output(req, tokens, finish_reason, text, logprobs, prompt_logprobs,
+                                       index))
         if not worker_finished:
             # A stop string ended the request while a worker still generates: end its attempts
             # (the context attempt's KV lease included). Removed from req.attempts first, so no

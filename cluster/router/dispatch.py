@@ -183,6 +183,11 @@ class Dispatcher:
                 except TransferFailed as exc:
                     if req.cancelled or time.monotonic() >= req.deadline:
                         return
+                    if req.several and any(c.streamed for c in req.candidates):
+                        await responder.fail(req, RouterErrorKind.UNAVAILABLE,
+                                             f"a request of {len(req.candidates)} candidates lost "
+                                             f"its KV transfer after streaming: {exc}")
+                        return
                     log.warning("request %s: KV transfer %s -> %s failed: %s", req.external_id,
                                 plan.ctx_worker, plan.gen_worker, exc)
                     last_error = f"; last failure: {exc}"
@@ -201,6 +206,13 @@ class Dispatcher:
                 except WorkerFailure as exc:
                     if req.cancelled or time.monotonic() >= req.deadline:
                         return  # Generate answers DEADLINE_EXCEEDED; no retry past the deadline
+                    if req.several and any(c.streamed for c in req.candidates):
+                        # Its candidates were forked from one prefill on the lost worker; each
+                        # would need a prefill of its own to go on. Not built: it fails whole.
+                        await responder.fail(req, RouterErrorKind.UNAVAILABLE,
+                                             f"a request of {len(req.candidates)} candidates lost "
+                                             f"its worker after streaming: {exc}")
+                        return
                     log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
                                 plan.ctx_worker, plan.gen_worker, exc)
                     last_error = f"; last failure: {exc}"
@@ -286,7 +298,7 @@ class Dispatcher:
         # token, which comes from the context worker, has been streamed. A retry that forces
         # tokens keeps the after-prefill flow (the first token must be known to force it).
         streamed = (self.config.kv_transfer_mode == "layerwise"
-                    and kind == LlmRequestType.CONTEXT_ONLY and not forced)
+                    and kind == LlmRequestType.CONTEXT_ONLY and not forced and not req.several)
         if streamed:
             ctx_wire = dataclasses.replace(ctx_wire, stream_kv=True)
         gen_task: asyncio.Task | None = None
@@ -295,6 +307,12 @@ class Dispatcher:
         last: WireUpdate | None = None
         try:
             async for update in self._stream(req, ctx_id, ctx_wire):
+                if update.kind in (UpdateKind.TOKENS, UpdateKind.CHOICE_DONE):
+                    # The context worker runs the whole request (1 token) and it has several
+                    # candidates: each one's token and end as it comes.
+                    await self.responder.emit(req, update.new_token_ids, update.finish_reason,
+                                              update.info, update)
+                    continue
                 if update.kind == UpdateKind.CONTEXT_STREAMING:
                     if streamed and gen_task is None:
                         gen_wire = self._wire(req, prompt, max_tokens,
@@ -312,8 +330,8 @@ class Dispatcher:
             return
         if last.info is not None:
             req.reused_tokens = last.info.cached_tokens
-        first = last.new_token_ids
-        if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + len(first):
+        first = last.new_token_ids  # with several candidates, one first token each
+        if last.kind == UpdateKind.FINISHED or max_tokens <= len(forced) + min(1, len(first)):
             # Ended on the context worker (a stop token, or it was all the client asked for).
             await self._drop(gen_task, gen_id, gen_wire)
             await self.responder.emit(req, first, last.finish_reason or "length", last.info, last)
@@ -329,7 +347,8 @@ class Dispatcher:
             req.move(Phase.TRANSFER)
             if gen_task is None:
                 gen_wire = self._wire(req, prompt, max_tokens, LlmRequestType.GENERATION_ONLY,
-                                      forced, last.context_phase_params)
+                                      forced, last.context_phase_params,
+                                      choice_tokens=tuple((t,) for t in first[1:]))
                 await self._decode(req, gen_id, gen_wire)
             else:
                 gate.set()
@@ -404,7 +423,7 @@ class Dispatcher:
             raise WorkerFailure(f"{who}: {last.message}")
 
     def _wire(self, req: RouterRequest, prompt: list[int], max_tokens: int, kind: LlmRequestType,
-              forced: list[int], params=None) -> WireRequest:
+              forced: list[int], params=None, choice_tokens: tuple = ()) -> WireRequest:
         return WireRequest(
             next(self.attempt_ids), req.external_id, prompt, max_tokens, req.spec.priority,
             kind, list(req.spec.agent_hierarchy) or None, params,
@@ -415,7 +434,7 @@ class Dispatcher:
             # It trails the router's, so the router answers DEADLINE_EXCEEDED (and aborts) first.
             max(0.0, req.deadline - time.monotonic()) + WORKER_DEADLINE_GRACE_S, tuple(forced),
             # A retry's prompt may hold streamed tokens: the output starts after the client's.
-            output_start=len(req.prompt))
+            output_start=len(req.prompt), choice_tokens=choice_tokens)
 
     async def _stream(self, req: RouterRequest, worker_id: str, wire: WireRequest):
         """A worker's updates for one attempt, over its request channel. An attempt waits as

@@ -54,16 +54,22 @@ class RouterOutput:
     # prompt's (prompt_logprobs), once, on the first output.
     logprobs: tuple | None = None
     prompt_logprobs: tuple | None = None
+    # n / best_of: the candidate these tokens belong to, and a candidate's own end (the
+    # request goes on until every candidate has ended; the last output has finish_reason).
+    index: int = 0
+    choice_finish_reason: str | None = None
 
 
 def token_output(req: RouterRequest, tokens: list[int], text: str, logprobs=None,
-                 prompt_logprobs=None) -> RouterOutput:
+                 prompt_logprobs=None, index: int = 0,
+                 choice_finish_reason: str | None = None) -> RouterOutput:
     return RouterOutput(req.external_id, tokens, text, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs=prompt_logprobs, index=index,
+                        choice_finish_reason=choice_finish_reason)
 
 
 def final_output(req: RouterRequest, tokens: list[int], finish_reason: str, text: str = "",
-                 logprobs=None, prompt_logprobs=None) -> RouterOutput:
+                 logprobs=None, prompt_logprobs=None, index: int = 0) -> RouterOutput:
     now = time.monotonic()
     timings = RequestTimings(
         queue_ms=1000 * ((req.dispatched or now) - req.received),
@@ -73,10 +79,11 @@ def final_output(req: RouterRequest, tokens: list[int], finish_reason: str, text
         gen_worker=req.gen_worker, retries=req.retries, fallbacks=req.fallbacks,
         local_prefill=req.local_prefill, prefix_predicted_tokens=req.predicted_tokens,
         prefix_reused_tokens=req.reused_tokens or 0)
-    usage = RequestUsage(prompt_tokens=len(req.prompt), completion_tokens=len(req.streamed),
+    usage = RequestUsage(prompt_tokens=len(req.prompt),
+                         completion_tokens=sum(len(c.streamed) for c in req.candidates),
                          cached_prompt_tokens=req.cached_tokens)
     return RouterOutput(req.external_id, tokens, text, finish_reason, timings, usage, logprobs,
-                        prompt_logprobs)
+                        prompt_logprobs, index, finish_reason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,17 @@ class IllegalTransition(RuntimeError):
     """A phase change the state machine does not allow (a router bug)."""
 
 
+class Candidate:
+    """One candidate's stream (n / best_of): the tokens the client has, their text, its end."""
+
+    __slots__ = ("streamed", "text", "finish_reason")
+
+    def __init__(self, streamed: list[int], text: TextStream) -> None:
+        self.streamed = streamed
+        self.text = text
+        self.finish_reason: str | None = None
+
+
 @dataclass(slots=True, eq=False)
 class RouterRequest:
     internal_id: int
@@ -82,6 +93,20 @@ class RouterRequest:
     reused_tokens: int | None = None
     cancelled: bool = False
     task: asyncio.Task | None = None
+    # n / best_of: every candidate's stream; candidate 0's shares ``streamed`` and ``text``.
+    candidates: list["Candidate"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        count = self.sampling.candidates
+        stop = self.text.stop
+        self.candidates = [Candidate(self.streamed, self.text)] + [
+            Candidate([], TextStream(self.text.decode, stop, include_stop=self.text.include_stop,
+                                     min_tokens=self.text.min_tokens))
+            for _ in range(count - 1)]
+
+    @property
+    def several(self) -> bool:
+        return len(self.candidates) > 1
 
     def move(self, phase: Phase) -> None:
         if phase not in _MOVES[self.phase]:

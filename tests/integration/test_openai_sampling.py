@@ -259,3 +259,57 @@ def test_tokenize_detokenize_and_version_as_vllm_serves_them(cluster, engine):
     assert status == 400 and err["error"]["param"] == "tokens[1]"
     status, err = call("POST", "/tokenize", {"prompt": 5})
     assert status == 400 and err["error"]["param"] == "prompt"
+
+
+def test_n_and_best_of_share_one_prefill_and_one_transfer(cluster, engine):
+    """n choices: one prefill on the context worker, one KV transfer, the candidates forked on
+    the generation worker (shared prompt blocks, the partial one copied); choice i is what a
+    single request with seed + i gives (vLLM's rule), so n=4 with a seed is reproducible."""
+    oa = client(cluster)
+    model = oa.models.list().data[0].id
+    ids = U.prompts(1, seed=91, lo=13, hi=19)[0]  # not a multiple of tokens_per_block: a partial block
+    single = [engine.generate([ids], SamplingParams(max_tokens=10, temperature=1.0, seed=50 + i,
+                                                    ignore_eos=True))[0] for i in range(4)]
+    kwargs = dict(model=model, prompt=ids, max_tokens=10, temperature=1.0, seed=50, n=4,
+                  extra_body={"ignore_eos": True})
+    out = oa.completions.create(**kwargs)
+    again = oa.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [s.text for s in single]
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # reproducible
+    assert out.usage.completion_tokens == 40
+    # One transfer: as many KV bytes as a single request of a fresh prompt of the same length.
+    fresh_one, fresh_four = ([7 + (i * 31 + k) % 250 for i in range(len(ids))] for k in (1, 2))
+    one = oa.completions.create(model=model, prompt=fresh_one, max_tokens=4, extra_body={"ignore_eos": True})
+    four = oa.completions.create(model=model, prompt=fresh_four, max_tokens=4, n=4, seed=1,
+                                 extra_body={"ignore_eos": True})
+    t4, t1 = four.model_extra["pdserve_timings"], one.model_extra["pdserve_timings"]
+    assert t4["ctx_worker"] == "ctx-0" and t4["kv_transfer_bytes"] == t1["kv_transfer_bytes"] > 0
+    # Colocated (no split): the same four.
+    local = oa.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "disaggregation": "never"}})
+    assert [c.text for c in local.choices] == [s.text for s in single]
+
+    # Chat, streamed: chunks carry their choice's index; each choice's text is the non-streamed one.
+    chat = dict(model=model, messages=[{"role": "user", "content": "Go."}], max_tokens=8, temperature=1.0,
+                seed=5, n=3, extra_body={"ignore_eos": True})
+    whole = oa.chat.completions.create(**chat)
+    texts = {i: "" for i in range(3)}
+    reasons = {}
+    for chunk in oa.chat.completions.create(stream=True, **chat):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+
+    # best_of: the n candidates with the highest cumulative logprob, best first.
+    ranked = sorted(
+        (engine.generate([ids], SamplingParams(max_tokens=6, temperature=1.0, seed=70 + i, ignore_eos=True,
+                                               logprobs=0))[0] for i in range(4)),
+        key=lambda o: -sum(e.logprob for e in o.logprobs))
+    best = oa.completions.create(model=model, prompt=ids, max_tokens=6, temperature=1.0, seed=70, n=2,
+                                 best_of=4, extra_body={"ignore_eos": True})
+    assert [c.text for c in best.choices] == [o.text for o in ranked[:2]]
+    assert best.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    U.wait_drained(cluster)

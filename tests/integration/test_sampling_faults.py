@@ -52,6 +52,13 @@ def test_pauses_keep_penalties_and_grammars(model_dir):
     assert [o.token_ids for o in got] == want
     assert [o.text for o in got_json] == want_json  # the seed, the position and the grammar decide
     assert all(_valid(t) for t in want_json)
+    # n candidates forked from one prefill: paused and recomputed like any request.
+    several = [SamplingParams(n=3, max_tokens=40, temperature=0.9, seed=20 + i, ignore_eos=True, **PENALTIES)
+               for i in range(4)]
+    want_n = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts[:4], several)]
+    paused_before = tight.stats.pauses
+    got_n = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts[:4], several)]
+    assert tight.stats.pauses > paused_before and got_n == want_n
     kv = tight.engine.executor.kv
     assert kv.get_num_free_blocks() == kv.num_blocks
 

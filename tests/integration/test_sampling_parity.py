@@ -190,3 +190,42 @@ def test_seeded_sampling_with_every_processor_is_reproducible_whatever_the_batch
         assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-5)
     other_seed = llm.generate(prompts, params.replace(seed=99))
     assert [o.token_ids for o in other_seed] != [o.token_ids for o in together]
+
+
+def test_n_candidates_fork_one_prefill_and_count_against_the_batch(model):
+    """Candidate i of n is what a single request with seed + i gives, whatever the batch size
+    (n candidates are n sequences: with max_batch_size 2 they take turns) and with greedy
+    candidates identical; every block is free afterwards."""
+    _, llm = model
+    prompt = _prompts(31)[1]
+    params = SamplingParams(n=4, max_tokens=MAX_NEW, temperature=0.8, seed=11, ignore_eos=True, logprobs=1)
+    out = llm.generate([prompt], params)[0]
+    singles = [llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0.8, seed=11 + i,
+                                                      ignore_eos=True, logprobs=1))[0] for i in range(4)]
+    assert [c.token_ids for c in out.outputs] == [s.token_ids for s in singles]
+    for c, s in zip(out.outputs, singles):
+        assert [e.logprob for e in c.logprobs] == pytest.approx([e.logprob for e in s.logprobs], abs=1e-5)
+        assert c.cumulative_logprob == pytest.approx(sum(e.logprob for e in s.logprobs), abs=1e-4)
+    narrow = LLM(llm.engine.loaded, tokens_per_block=4, num_kv_blocks=256, max_batch_size=2, max_seq_len=128)
+    scheduled = []
+    scheduler = narrow.engine.executor.scheduler
+    schedule = scheduler.schedule
+
+    def counting_schedule(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        scheduled.append(len(out.context_requests) + len(out.generation_requests))
+        return out
+
+    scheduler.schedule = counting_schedule
+    again = narrow.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert max(scheduled) == 2  # four candidates, two at a time
+    greedy = llm.generate([prompt], SamplingParams(n=3, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in greedy.outputs}) == 1
+    best = llm.generate([prompt], SamplingParams(n=2, best_of=4, max_tokens=MAX_NEW, temperature=0.8, seed=11,
+                                                 ignore_eos=True))[0]
+    ranked = sorted(singles, key=lambda s: -sum(e.logprob for e in s.logprobs))[:2]
+    assert [c.token_ids for c in best.outputs] == [s.token_ids for s in ranked]
+    for engine in (llm, narrow):
+        kv = engine.engine.executor.kv
+        assert kv.get_num_free_blocks() == kv.num_blocks

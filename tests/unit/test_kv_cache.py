@@ -451,3 +451,32 @@ def test_cached_summary_follows_tree_changes():
     assert m.analyze_prefix_reuse(r.get_tokens(0), r) == PrefixReuseSummary(0, 1, None)
     m.add_sequence(req(2, 30))  # evicts the cached block
     assert m.analyze_prefix_reuse(r.get_tokens(0), r) == first
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    """n candidates fork one prefill: full blocks gain a ref, the partial last block is copied
+    into a block of the child's own; each side frees only its refs."""
+    kv = KVCacheManager(num_blocks=8, tokens_per_block=4)
+    parent = req(1, 10)  # 10 tokens: 2 full blocks and a partial one
+    kv.add_sequence(parent)
+    assert kv.get_num_free_blocks() == 5
+    child = req(-1, 10)
+    src, dst = kv.fork_sequence(1, child)
+    parent_blocks, child_blocks = kv.get_block_ids(1), kv.get_block_ids(-1)
+    assert child_blocks[:2] == parent_blocks[:2] and src == parent_blocks[2] and dst == child_blocks[2] != src
+    assert [kv.get_ref_count(b) for b in parent_blocks[:2]] == [2, 2] and kv.get_ref_count(dst) == 1
+    assert kv.get_num_free_blocks() == 4 and kv.get_num_tokens(-1) == 10
+    kv.add_token(-1)  # the child grows on its own
+    kv.remove_sequence(1)
+    assert kv.get_num_free_blocks() == 5  # the parent's partial block only: the full ones are the child's too
+    kv.remove_sequence(-1)
+    assert kv.get_num_free_blocks() == 8
+    # On a block boundary nothing is copied; with no free block the fork takes nothing.
+    kv.add_sequence(req(2, 8))
+    assert kv.fork_sequence(2, req(-2, 8)) is None and kv.get_num_free_blocks() == 6
+    full = KVCacheManager(num_blocks=3, tokens_per_block=4)
+    full.add_sequence(req(3, 9))
+    with pytest.raises(KVCacheOutOfBlocksError):
+        full.fork_sequence(3, req(-3, 9))
+    assert full.get_num_free_blocks() == 0 and not full.has_sequence(-3)
+    assert [full.get_ref_count(b) for b in full.get_block_ids(3)] == [1, 1, 1]

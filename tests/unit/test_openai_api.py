@@ -74,6 +74,7 @@ def test_prompt_forms(prompt, text, ids):
     ({"prompt": "x", "n": True}, "n"),  # true is not 1
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),  # the best are known at the end
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "bad_words": ["ok", 3]}, "bad_words[1]"),
     ({"prompt": "x", "tools": []}, "tools"),  # a chat field on the completions endpoint
@@ -101,7 +102,8 @@ def test_unsupported_or_malformed_fields_are_refused_by_name(body, param):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2.5}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # no logprobs
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -169,6 +171,8 @@ def test_sampling_values_are_refused_as_the_record_is_built(body, param):
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias[300]"),  # outside the vocabulary
     ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # over max_tokens (16)
+    ({"prompt": "x", "n": 17}, "n"),  # over the server's max_n (16)
+    ({"prompt": "x", "n": 2, "best_of": 17}, "best_of"),
     ({"prompt": "x", "priority": 2}, "priority"),
     ({"prompt": "x", "deadline_ms": 0}, "deadline_ms"),
     ({"prompt": "x", "disaggregation": 7}, "disaggregation"),

@@ -51,14 +51,18 @@ wire_requests = st.builds(
                                                    st.integers(0, 9)), max_size=3),
     context_phase_params=st.none() | params, sampling=sampling,
     deadline_s=st.none() | finite, forced_tokens=st.lists(st.integers(0, 1000), max_size=3).map(tuple),
-    stream_kv=st.booleans(), output_start=st.none() | st.integers(0, 40))
+    stream_kv=st.booleans(), output_start=st.none() | st.integers(0, 40),
+    choice_tokens=st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=2).map(tuple),
+                           max_size=3).map(tuple))
 infos = st.none() | st.builds(R.UpdateInfo, pauses=st.integers(0, 9), kv_transfer_bytes=ints,
                               kv_transfer_seconds=finite, kv_transfer_blocks=st.none() | st.integers(0, 99),
                               cached_tokens=st.integers(0, 999))
 small = st.lists(st.integers(0, 1000), max_size=5)
 updates = st.one_of(
     st.builds(R.WireUpdate.tokens, ints, small, infos, logprobs=logprob_entries,
-              prompt_logprobs=logprob_entries),
+              prompt_logprobs=logprob_entries, index=st.integers(0, 15)),
+    st.builds(R.WireUpdate.choice_done, ints, st.integers(0, 15), small,
+              st.sampled_from(R.FINISH_REASONS), infos, logprobs=logprob_entries),
     st.builds(R.WireUpdate.context_done, ints, small, params, infos, logprobs=logprob_entries,
               prompt_logprobs=logprob_entries),
     st.builds(R.WireUpdate.context_streaming, ints, params),
@@ -132,18 +136,18 @@ def test_a_truncated_frame_is_refused_whole_and_waits_in_a_stream(frame, data):
     ([], "non-empty"),
     ([99, 1], "unknown FrameType"),
     ([R.FrameType.ABORT, "7"], "abort.request_id"),
-    ([R.FrameType.GENERATE, 1, 2], "generate: expected 13 fields"),
-    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"top_p": 0}, None, [], False, None],
+    ([R.FrameType.GENERATE, 1, 2], "generate: expected 14 fields"),
+    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"top_p": 0}, None, [], False, None, []],
      "generate.sampling.top_p"),
-    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"colour": 1}, None, [], False, None],
+    ([R.FrameType.GENERATE, 1, None, [1], 4, 0.5, 1, None, None, {"colour": 1}, None, [], False, None, []],
      "generate.sampling.colour: unknown"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.FINISHED, [], None, None, 0, None, None, None, None], "finish_reason"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [], "stop", None, 0, None, None, None, None], "finish_reason"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.FAILED, [], None, None, 0, "x", None, None, None], "update.error"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.CONTEXT_DONE, [5], None, None, 0, None, None, None, None],
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.FINISHED, [], None, None, 0, None, None, None, None, 0], "finish_reason"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [], "stop", None, 0, None, None, None, None, 0], "finish_reason"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.FAILED, [], None, None, 0, "x", None, None, None, 0], "update.error"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.CONTEXT_DONE, [5], None, None, 0, None, None, None, None, 0],
      "context_phase_params"),
-    ([R.FrameType.UPDATE, 1, 42, [], None, None, 0, None, None, None, None], "unknown UpdateKind"),
-    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [5], None, None, 0, None, None, [[5, "x", 1, []]], None],
+    ([R.FrameType.UPDATE, 1, 42, [], None, None, 0, None, None, None, None, 0], "unknown UpdateKind"),
+    ([R.FrameType.UPDATE, 1, R.UpdateKind.TOKENS, [5], None, None, 0, None, None, [[5, "x", 1, []]], None, 0],
      "update.logprobs"),
     ([R.FrameType.HEARTBEAT, {"worker_id": "w"}], "status"),
     ([R.FrameType.KV_EVENTS, 1, [[9]]], "unknown event"),
@@ -181,6 +185,7 @@ def test_the_one_request_conversion_keeps_every_field(wire):
     back = R.WireRequest.from_llm_request(request, wire.sampling, deadline_s=wire.deadline_s,
                                           forced_tokens=wire.forced_tokens,
                                           output_start=wire.output_start,
+                                          choice_tokens=wire.choice_tokens,
                                           stream_kv=wire.stream_kv)
     assert back == wire
 

@@ -10,13 +10,14 @@ from pdserve.cluster.router.request_state import RouterRequest
 from pdserve.cluster.text_stream import TextStream
 from pdserve.cluster.validation import GenerateSpec
 from pdserve.scheduler import AgentTreePolicy, LlmRequest
+from pdserve.transport.requests.sampling import SamplingParams
 
 
 def _request(internal: int, priority: float = 0.5, agent: str | None = None) -> RouterRequest:
     hierarchy = [(agent, internal)] if agent else None
     entry = LlmRequest(internal, [1, 2, 3], 4, priority=priority, agent_hierarchy=hierarchy)
     return RouterRequest(internal, f"r{internal}", GenerateSpec(token_ids=(1, 2, 3), priority=priority),
-                         [1, 2, 3], {}, entry, 0.0, 100.0, TextStream(lambda ids: ""))
+                         [1, 2, 3], SamplingParams(), entry, 0.0, 100.0, TextStream(lambda ids: ""))
 
 
 def test_priority_order_and_the_in_flight_cap():

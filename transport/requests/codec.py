@@ -59,7 +59,8 @@ def _request(r: WireRequest) -> list:
     return [r.request_id, r.client_id, r.prompt, r.max_new_tokens, r.priority, int(r.type),
             [list(level) for level in r.agent_hierarchy] if r.agent_hierarchy is not None else None,
             _params(r.context_phase_params), r.sampling.to_wire(),
-            r.deadline_s, list(r.forced_tokens), r.stream_kv, r.output_start]
+            r.deadline_s, list(r.forced_tokens), r.stream_kv, r.output_start,
+            [list(c) for c in r.choice_tokens]]
 
 
 def _info(i: UpdateInfo | None) -> list | None:
@@ -72,7 +73,7 @@ def _info(i: UpdateInfo | None) -> list | None:
 def _update(u: WireUpdate) -> list:
     return [u.request_id, int(u.kind), u.new_token_ids, u.finish_reason,
             _params(u.context_phase_params), int(u.error), u.message, _info(u.info),
-            _logprobs(u.logprobs), _logprobs(u.prompt_logprobs)]
+            _logprobs(u.logprobs), _logprobs(u.prompt_logprobs), u.index]
 
 
 def _logprobs(entries: tuple[TokenLogprobs, ...] | None) -> list | None:
@@ -216,7 +217,7 @@ def _enum(cls: type[enum.IntEnum], v: Any, what: str):
 
 
 def _request_from(f: list) -> WireRequest:
-    f = _fields(f, 13, "generate")
+    f = _fields(f, 14, "generate")
     hierarchy = f[6]
     if hierarchy is not None:
         _check(type(hierarchy) is list and all(
@@ -230,16 +231,18 @@ def _request_from(f: list) -> WireRequest:
     _check(f[9] is None or type(f[9]) in (int, float), "generate.deadline_s: expected a number or nil")
     _check(type(f[11]) is bool, "generate.stream_kv: expected a boolean")
     _check(f[12] is None or type(f[12]) is int, "generate.output_start: expected an integer or nil")
+    _check(type(f[13]) is list, "generate.choice_tokens: expected a list")
+    choice_tokens = tuple(tuple(_ints(c, "generate.choice_tokens")) for c in f[13])
     return WireRequest(_int(f[0], "generate.request_id"), _opt_str(f[1], "generate.client_id"),
                        _ints(f[2], "generate.prompt"), _int(f[3], "generate.max_new_tokens"),
                        _num(f[4], "generate.priority"),
                        _enum(LlmRequestType, f[5], "generate.type"), hierarchy,
                        _params_from(f[7]), sampling, f[9],
-                       tuple(_ints(f[10], "generate.forced_tokens")), f[11], f[12])
+                       tuple(_ints(f[10], "generate.forced_tokens")), f[11], f[12], choice_tokens)
 
 
 def _update_from(f: list) -> WireUpdate:
-    f = _fields(f, 10, "update")
+    f = _fields(f, 11, "update")
     kind = _enum(UpdateKind, f[1], "update.kind")
     info = None
     if f[7] is not None:
@@ -249,7 +252,7 @@ def _update_from(f: list) -> WireUpdate:
                           _num(i[2], "update.info.kv_transfer_seconds"), i[3],
                           _int(i[4], "update.info.cached_tokens"))
     reason = _opt_str(f[3], "update.finish_reason")
-    _check((reason in FINISH_REASONS) == (kind == UpdateKind.FINISHED),
+    _check((reason in FINISH_REASONS) == (kind in (UpdateKind.FINISHED, UpdateKind.CHOICE_DONE)),
            f"update.finish_reason {reason!r} does not fit kind {kind.name}")
     params = _params_from(f[4])
     _check((params is not None) == (kind in (UpdateKind.CONTEXT_DONE, UpdateKind.CONTEXT_STREAMING)),
@@ -260,7 +263,7 @@ def _update_from(f: list) -> WireUpdate:
     return WireUpdate(_int(f[0], "update.request_id"), kind, _ints(f[2], "update.new_token_ids"),
                       reason, params, error, _opt_str(f[6], "update.message"), info,
                       _logprobs_from(f[8], "update.logprobs"),
-                      _logprobs_from(f[9], "update.prompt_logprobs"))
+                      _logprobs_from(f[9], "update.prompt_logprobs"), _int(f[10], "update.index"))
 
 
 def _status_from(d: Any) -> WorkerStatus:

@@ -11,10 +11,10 @@ from pdserve.scheduler.request import ContextPhaseParams, LlmRequest, LlmRequest
 
 from .sampling import SamplingParams
 
-PROTOCOL_VERSION = 6  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
+PROTOCOL_VERSION = 7  # 2: KV events (KvEvents, KvSnapshotQuery, KvSnapshot); 3: KvPeers, kv_pairs;
 # 4: KvControl (the direct KV control link, transport/kv_link.py); 5: layer-wise KV
 # (Generate.stream_kv, the CONTEXT_STREAMING update); 6: the sampling record as a map,
-# logprobs on updates
+# logprobs on updates; 7: n / best_of (Generate.choice_tokens, Update.index, CHOICE_DONE)
 MAX_FRAME_BYTES = 64 << 20  # a prompt of millions of tokens still fits; a garbage length does not
 
 
@@ -31,6 +31,9 @@ class UpdateKind(enum.IntEnum):
     # A layer-wise context-only request's last chunk is being computed and its KV is leased:
     # the generation side may ask for it now (params without the first token). Not final.
     CONTEXT_STREAMING = 6
+    # One candidate of a request with several (n / best_of) ended, with finish_reason; the
+    # others go on. Not final: the last candidate's end is FINISHED.
+    CHOICE_DONE = 7
 
 
 class ErrorKind(enum.IntEnum):
@@ -87,12 +90,24 @@ class WireUpdate:
     # With ``prompt_logprobs`` set, once (on the update that brings the first token): one entry
     # per prompt token after the first.
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The candidate (n / best_of) the tokens belong to. CONTEXT_DONE of a request of several
+    # candidates carries every candidate's first token: new_token_ids[i] is candidate i's.
+    index: int = 0
 
     @classmethod
     def tokens(cls, request_id: int, new: list[int], info: UpdateInfo | None = None, *,
-               logprobs=None, prompt_logprobs=None) -> "WireUpdate":
+               logprobs=None, prompt_logprobs=None, index: int = 0) -> "WireUpdate":
         return cls(request_id, UpdateKind.TOKENS, new, info=info, logprobs=logprobs,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs, index=index)
+
+    @classmethod
+    def choice_done(cls, request_id: int, index: int, new: list[int], reason: str,
+                    info: UpdateInfo | None = None, *, logprobs=None,
+                    prompt_logprobs=None) -> "WireUpdate":
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {reason!r}")
+        return cls(request_id, UpdateKind.CHOICE_DONE, new, finish_reason=reason, info=info,
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
 
     @classmethod
     def context_done(cls, request_id: int, new: list[int], params: ContextPhaseParams,
@@ -108,11 +123,11 @@ class WireUpdate:
     @classmethod
     def finished_with(cls, request_id: int, new: list[int], reason: str,
                       info: UpdateInfo | None = None, *, logprobs=None,
-                      prompt_logprobs=None) -> "WireUpdate":
+                      prompt_logprobs=None, index: int = 0) -> "WireUpdate":
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {reason!r}")
         return cls(request_id, UpdateKind.FINISHED, new, finish_reason=reason, info=info,
-                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, index=index)
 
     @classmethod
     def aborted(cls, request_id: int) -> "WireUpdate":
@@ -125,7 +140,7 @@ class WireUpdate:
     @property
     def finished(self) -> bool:
         """The request's last update: nothing more comes for it."""
-        return self.kind not in (UpdateKind.TOKENS, UpdateKind.CONTEXT_STREAMING)
+        return self.kind not in (UpdateKind.TOKENS, UpdateKind.CONTEXT_STREAMING, UpdateKind.CHOICE_DONE)
 
     @property
     def outcome(self) -> str | None:
@@ -134,6 +149,8 @@ class WireUpdate:
         kind = self.kind
         if kind in (UpdateKind.TOKENS, UpdateKind.CONTEXT_STREAMING):
             return None
+        if kind == UpdateKind.CHOICE_DONE:
+            return self.finish_reason
         if kind == UpdateKind.FINISHED:
             return self.finish_reason
         if kind == UpdateKind.CONTEXT_DONE:
@@ -165,6 +182,9 @@ class WireRequest:
     # Where the request's output begins in ``prompt`` (a retry folds tokens it streamed into its
     # prompt; penalties and min_tokens count from here); None: the end of the prompt.
     output_start: int | None = None
+    # Generation-only, n / best_of: candidates 1.. and the tokens each has (its first token,
+    # drawn by the context worker); candidate 0's is in context_phase_params.
+    choice_tokens: tuple[tuple[int, ...], ...] = ()
 
     def to_llm_request(self) -> LlmRequest:
         """Raises ValueError for a request the scheduler's types refuse."""
@@ -179,13 +199,14 @@ class WireRequest:
                          deadline_s: float | None = None,
                          forced_tokens: tuple[int, ...] = (),
                          stream_kv: bool = False,
-                         output_start: int | None = None) -> "WireRequest":
+                         output_start: int | None = None,
+                         choice_tokens: tuple[tuple[int, ...], ...] = ()) -> "WireRequest":
         hierarchy = request.agent_hierarchy
         return cls(request.request_id, request.client_id, list(request.get_prompt_tokens()),
                    request.max_new_tokens, request.priority, request.llm_request_type,
                    [tuple(level) for level in hierarchy] if hierarchy is not None else None,
                    request.context_phase_params, sampling, deadline_s, tuple(forced_tokens),
-                   stream_kv, output_start)
+                   stream_kv, output_start, choice_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,10 @@ def response_proto(out: RouterOutput, token_text=str):
         extra["logprobs"] = token_logprobs_proto(out.logprobs, token_text)
     if out.prompt_logprobs:
         extra["prompt_logprobs"] = token_logprobs_proto(out.prompt_logprobs, token_text)
+    if out.index:
+        extra["index"] = out.index
+    if out.choice_finish_reason:
+        extra["choice_finish_reason"] = out.choice_finish_reason
     if out.finish_reason is None:
         return pb.GenerateResponse(request_id=out.request_id, token_ids=out.token_ids, text=out.text,
                                    **extra)

@@ -202,9 +202,8 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
         sampling = sampling_params(**fields)
     except ValidationError as exc:
         raise field_error(exc.field, exc.message, kind) from None
-    if sampling.candidates > 1:
-        raise invalid("best_of" if sampling.best_of not in (None, 1) else "n",
-                      "more than one choice is not supported yet")
+    if sampling.candidates > sampling.n and stream:
+        raise invalid("best_of", "best_of > n cannot be streamed (the best are known at the end)")
 
     spec = GenerateSpec(
         sampling=sampling,
@@ -548,20 +547,28 @@ def prompt_logprobs_json(prompt_ids: Any, entries: Any, token_text) -> list[Any]
     return out
 
 
+def choice_json(kind: str, index: int, text: str, finish_reason: str | None, *, logprobs: Any = None,
+                message: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a non-streamed response; ``message``: chat's when it is more than text."""
+    if kind == CHAT:
+        return {"index": index, "message": message or {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def completion_json(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
                     usage: Any, timings: Any, *, logprobs: Any = None,
-                    prompt_logprobs: Any = None, message: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``message``: chat's message when it is more than text (tool calls)."""
-    if kind == CHAT:
-        choice = {"index": 0, "message": message or {"role": "assistant", "content": text},
-                  "logprobs": logprobs, "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if prompt_logprobs is not None:
+                    prompt_logprobs: Any = None, message: dict[str, Any] | None = None,
+                    choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A non-streamed response: one choice from ``text``/``message``, or ``choices`` as given
+    (choice_json's, n > 1)."""
+    if choices is None:
+        choices = [choice_json(kind, 0, text, finish_reason, logprobs=logprobs, message=message)]
+    if kind != CHAT and prompt_logprobs is not None:
+        for choice in choices:
             choice["prompt_logprobs"] = prompt_logprobs
-        obj = "text_completion"
-    out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+    out = {"id": rid, "object": "chat.completion" if kind == CHAT else "text_completion",
+           "created": created, "model": model, "choices": choices,
            "usage": usage_json(usage), "pdserve_timings": timings_json(timings)}
     if kind == CHAT and prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs
@@ -571,7 +578,7 @@ def completion_json(kind: str, rid: str, created: int, model: str, text: str, fi
 def chunk_json(kind: str, rid: str, created: int, model: str, *, text: str | None = None,
                role: bool = False, finish_reason: str | None = None, timings: Any = None,
                logprobs: Any = None, prompt_logprobs: Any = None,
-               delta: dict[str, Any] | None = None) -> dict[str, Any]:
+               delta: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     """One streamed chunk. Chat: the first carries the role, later ones content deltas (or
     ``delta`` as given: tool call deltas), the last an empty delta with the finish reason."""
     if kind == CHAT:
@@ -580,10 +587,10 @@ def chunk_json(kind: str, rid: str, created: int, model: str, *, text: str | Non
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs
         obj = "text_completion"

@@ -44,6 +44,7 @@ from .api import (
     CompletionLogprobs,
     ParsedRequest,
     chat_logprobs_json,
+    choice_json,
     chunk_json,
     completion_json,
     field_error,
@@ -221,70 +222,79 @@ class OpenAIServer:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
-        choice = _Choice(self.api, parsed, spec, req.prompt, tool_parser)
+        choices = _Choices(self.api, parsed, spec, req.prompt, tool_parser)
         async with contextlib.aclosing(self.api.results(req)) as results:
             try:
                 first = await anext(results)  # before any header: an early error keeps its status
             except RouterError as exc:
                 return error_response(self._api_error(exc, kind), headers)
             if parsed.stream:
-                return await self._stream(request, parsed, choice, results, first, rid, created,
+                return await self._stream(request, parsed, choices, results, first, rid, created,
                                           headers)
             last = first
-            choice.add(first)
+            choices.add(first)
             try:
                 while not last.finish_reason:
                     last = await anext(results)
-                    choice.add(last)
+                    choices.add(last)
             except RouterError as exc:
                 return error_response(self._api_error(exc, kind), headers)
-            message, finish_reason = choice.message(last.finish_reason)
             return json_response(
-                completion_json(kind, rid, created, self.model_id, choice.text, finish_reason,
-                                last.usage, last.timings, logprobs=choice.logprobs(),
-                                prompt_logprobs=choice.prompt_logprobs, message=message),
+                completion_json(kind, rid, created, self.model_id, "", last.finish_reason,
+                                last.usage, last.timings, prompt_logprobs=choices.prompt_logprobs,
+                                choices=choices.json()),
                 headers=headers)
 
-    async def _stream(self, request, parsed: ParsedRequest, choice: "_Choice", results, first,
+    async def _stream(self, request, parsed: ParsedRequest, choices: "_Choices", results, first,
                       rid: str, created: int, headers: dict[str, str]) -> web.StreamResponse:
         kind = parsed.kind
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
         model = self.model_id
-        prompt_tokens = len(choice.prompt_ids)
+        prompt_tokens = len(choices.prompt_ids)
 
         def sse(chunk: dict[str, Any]) -> bytes:
             if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
-                done = choice.completion_tokens
+                done = choices.completion_tokens
                 chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                   "total_tokens": prompt_tokens + done}
             return sse_bytes(chunk)
         try:
             if kind == CHAT:
-                await resp.write(sse(chunk_json(kind, rid, created, model, text="", role=True)))
+                for index in range(choices.count):
+                    await resp.write(sse(chunk_json(kind, rid, created, model, text="", role=True,
+                                                    index=index)))
             item = first
-            tools = choice.tool_stream()
             while True:
+                choice = choices.get(item.index)
+                index = item.index
                 text, logprobs, prompt_lps = choice.delta(item)
+                ended = item.choice_finish_reason or item.finish_reason
+                tools = choice.stream_parser
                 if tools is not None:
                     # Tool calls: the parser decides what of the text is content and what calls.
                     deltas = tools.feed(text) if text else []
-                    if item.finish_reason:
+                    if ended:
                         deltas += tools.finish()
                     for i, delta in enumerate(deltas):
                         await resp.write(sse(chunk_json(kind, rid, created, model, delta=delta,
-                                                        logprobs=logprobs if i == 0 else None)))
+                                                        logprobs=logprobs if i == 0 else None,
+                                                        index=index)))
                     if not deltas and logprobs is not None:
-                        await resp.write(sse(chunk_json(kind, rid, created, model, logprobs=logprobs)))
+                        await resp.write(sse(chunk_json(kind, rid, created, model, logprobs=logprobs,
+                                                        index=index)))
                 elif text or logprobs is not None or prompt_lps is not None:
                     await resp.write(sse(chunk_json(kind, rid, created, model, text=text,
-                                                    logprobs=logprobs, prompt_logprobs=prompt_lps)))
-                if item.finish_reason:
-                    finish_reason = item.finish_reason
+                                                    logprobs=logprobs, prompt_logprobs=prompt_lps,
+                                                    index=index)))
+                if ended:
+                    reason = ended
                     if tools is not None:
-                        finish_reason = finish_reason_for(tools.calls, finish_reason, parsed.tools)
-                    await resp.write(sse(chunk_json(kind, rid, created, model,
-                                                    finish_reason=finish_reason, timings=item.timings)))
+                        reason = finish_reason_for(tools.calls, reason, parsed.tools)
+                    await resp.write(sse(chunk_json(
+                        kind, rid, created, model, finish_reason=reason, index=index,
+                        timings=item.timings if item.finish_reason else None)))
+                if item.finish_reason:
                     if parsed.include_usage:
                         await resp.write(sse(usage_chunk_json(kind, rid, created, model, item.usage)))
                     break
@@ -344,7 +354,10 @@ class _Choice:
     ``echo`` the prompt leads the text (and, with logprobs, the logprobs)."""
 
     def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids,
-                 tool_parser=None) -> None:
+                 tool_parser=None, index: int = 0) -> None:
+        self.index = index
+        self.finish_reason: str | None = None
+        self.cumulative_logprob = 0.0
         self.kind = parsed.kind
         self.tools = parsed.tools
         self.tool_parser = tool_parser
@@ -357,6 +370,7 @@ class _Choice:
         self.prompt_logprobs: list[Any] | None = None
         self.completion_lps = CompletionLogprobs(api.token_text)
         self._echoed = False
+        self._stream_parser = None
         self.completion_tokens = 0
 
     def _echo_text(self) -> str:
@@ -365,6 +379,10 @@ class _Choice:
     def delta(self, out) -> tuple[str, Any, Any]:
         """(text, logprobs, prompt_logprobs) to send for this output."""
         self.completion_tokens += len(out.token_ids)
+        if out.logprobs:
+            self.cumulative_logprob += sum(e.logprob for e in out.logprobs)
+        if out.choice_finish_reason:
+            self.finish_reason = out.choice_finish_reason
         text = out.text
         logprobs = None
         prompt_lps = None
@@ -396,9 +414,19 @@ class _Choice:
     def text(self) -> str:
         return "".join(self.texts)
 
-    def tool_stream(self):
-        """Chat with tools: the streaming tool-call parser (None: plain text)."""
-        return self.tool_parser.stream() if self.tool_parser is not None else None
+    @property
+    def stream_parser(self):
+        """Chat with tools: this choice's streaming tool-call parser (None: plain text)."""
+        if self.tool_parser is None:
+            return None
+        if self._stream_parser is None:
+            self._stream_parser = self.tool_parser.stream()
+        return self._stream_parser
+
+    def json(self) -> dict[str, Any]:
+        message, reason = self.message(self.finish_reason)
+        return choice_json(self.kind, self.index, self.text, reason, logprobs=self.logprobs(),
+                           message=message)
 
     def message(self, finish_reason: str) -> tuple[dict[str, Any] | None, str]:
         """Chat with tools: the message with its tool calls and the finish reason they give."""
@@ -413,6 +441,45 @@ class _Choice:
         if self.kind == COMPLETIONS:
             return CompletionLogprobs.merge(self.parts)
         return {"content": [c for part in self.parts for c in part["content"]]}
+
+
+class _Choices:
+    """Every choice of a request (n / best_of), by the router's candidate index."""
+
+    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids, tool_parser) -> None:
+        sampling = spec.sampling
+        self.count = sampling.candidates
+        self.n = sampling.n
+        self.prompt_ids = list(prompt_ids)
+        self.choices = [_Choice(api, parsed, spec, prompt_ids, tool_parser, index=i)
+                        for i in range(self.count)]
+
+    def get(self, index: int) -> _Choice:
+        return self.choices[index]
+
+    def add(self, out) -> None:
+        self.choices[out.index].add(out)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    @property
+    def prompt_logprobs(self):
+        return self.choices[0].prompt_logprobs
+
+    def json(self) -> list[dict[str, Any]]:
+        """The choices in OpenAI's shape; with best_of > n the n with the highest cumulative
+        logprob, best first (vLLM's ranking), numbered 0..n-1."""
+        picked = self.choices
+        if self.count > self.n:
+            picked = sorted(picked, key=lambda c: -c.cumulative_logprob)[: self.n]
+        out = []
+        for index, choice in enumerate(picked):
+            body = choice.json()
+            body["index"] = index
+            out.append(body)
+        return out
 
 
 async def _json_body(request: web.Request) -> Any:
