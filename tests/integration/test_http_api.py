@@ -151,9 +151,9 @@ def test_bad_requests_get_openai_error_objects_and_the_server_stays_up(cluster):
         ({"prompt": "x", "top_p": 1.5}, "/v1/completions", 400, "top_p"),
         ({"prompt": [1] * 200}, "/v1/completions", 400, "prompt"),
         ({"prompt": "x", "max_tokens": 160}, "/v1/completions", 400, "max_tokens"),  # 1 + 160 > max_seq_len
-        ({"prompt": "x", "n": 2}, "/v1/completions", 400, "n"),
+        ({"prompt": "x", "n": 20}, "/v1/completions", 400, "n"),
         ({"prompt": "x", "logprobs": 30}, "/v1/completions", 400, "logprobs"),
-        ({"prompt": "x", "best_of": 2}, "/v1/completions", 400, "best_of"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "/v1/completions", 400, "best_of"),
         ({"prompt": "x", "logit_bias": {"3000": 5}}, "/v1/completions", 400, "logit_bias[3000]"),
         ({"prompt": "x", "frobnicate": 1}, "/v1/completions", 400, "frobnicate"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400, "stop"),
