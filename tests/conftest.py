@@ -5,6 +5,10 @@ import os
 import sys
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A Ray head waits 30 s for its GCS to bind a port; on a loaded 2-core CI machine a GCS started
+# right after the previous module's cluster went down once took longer (test_multinode's
+# 3-node cluster: "Timed out waiting for file .../gcs_server_port_..."). Still a deadline.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 

@@ -79,3 +79,25 @@ def test_deltas_are_the_text_cut_at_the_first_stop(batches, stops):
     for d in deltas[:-1]:  # what was streamed before the end never shows the start of a stop
         sent += d
         assert not any(s in sent for s in stops)
+
+
+@given(st.lists(st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=3), min_size=1, max_size=12))
+def test_include_stop_ends_the_text_after_the_stop_string(batches):
+    """vLLM's include_stop_str_in_output: the same cut as without it, plus the stop string."""
+    stop = ("ba", "\n")
+    without = "".join(run(TextStream(piece_decode, stop), batches))
+    stream = TextStream(piece_decode, stop, include_stop=True)
+    with_stop = "".join(run(stream, batches))
+    if stream.stopped:
+        assert with_stop.startswith(without) and with_stop[len(without):] in stop
+    else:
+        assert with_stop == without
+
+
+def test_no_stop_string_is_matched_before_min_tokens():
+    """vLLM's rule: the text of the first min_tokens tokens is not searched for stop strings."""
+    ids = [PIECES.index("a"), PIECES.index("\n"), PIECES.index("b"), PIECES.index("\n"), PIECES.index("c")]
+    early = TextStream(piece_decode, ("\n",))
+    assert "".join(run(early, [[t] for t in ids])) == "a"
+    late = TextStream(piece_decode, ("\n",), min_tokens=3)
+    assert "".join(run(late, [[t] for t in ids])) == "a\nb" and late.stopped
