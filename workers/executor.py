@@ -157,6 +157,9 @@ class Executor:
         # (negative: the router's ids are not), and each request's candidates still running.
         self._child_ids = itertools.count(-1, -1)
         self._open_choices: dict[int, int] = {}
+        # Requests whose other candidates are still to be forked: the step looks for them only
+        # while there are any (the common step pays one truth test).
+        self._awaiting_fork: set[int] = set()
         self.stats = ExecutorStats()
         # Transfers, pauses and resumes for people (log lines, dashboard, pdserve top).
         self.events = WorkerEvents(transceiver.worker_id if transceiver is not None else worker_id)
@@ -244,6 +247,7 @@ class Executor:
         tracked = _Tracked(request, sampler, params, forced, deadline=deadline, stream_kv=stream_kv,
                            wire_id=request.request_id)
         if candidates > 1:
+            self._awaiting_fork.add(request.request_id)
             if request.is_generation_only_request:
                 tracked.choice_tokens = tuple(tuple(int(t) for t in c) for c in choice_tokens)
             else:
@@ -329,6 +333,7 @@ class Executor:
         tracked = self.tracked[request.request_id]
         firsts = [(c[0], None) for c in tracked.choice_tokens]
         tracked.choice_tokens = ()
+        self._awaiting_fork.discard(request.request_id)
         out = []
         for child, (first, _) in zip(self._fork_choices(request, firsts, None, reported=True), firsts):
             update = self._after_token(child, first, None)
@@ -410,6 +415,7 @@ class Executor:
 
     def _untrack(self, request_id: int) -> _Tracked | None:
         self.paused_since.pop(request_id, None)
+        self._awaiting_fork.discard(request_id)
         tracked = self.tracked.pop(request_id, None)
         if tracked is not None and tracked.deadline is not None:
             self._num_deadlines -= 1
@@ -472,7 +478,7 @@ class Executor:
         computed = lifecycle.prepare_context_chunks(out.context_requests, self.kv)
         contexts = [(r, n) for r, n in zip(out.context_requests, computed) if n > 0]
         for request in out.generation_requests:
-            if self.tracked[request.request_id].choice_tokens:
+            if self._awaiting_fork and request.request_id in self._awaiting_fork:
                 updates.extend(self._fork_received(request))
             lifecycle.prepare_generation_step(request, self.kv)
 
@@ -494,6 +500,7 @@ class Executor:
                 tracked = self.tracked[request.request_id]
                 firsts = tracked.choice_firsts
                 if firsts is not None and not request.is_context_only_request:
+                    self._awaiting_fork.discard(request.request_id)
                     samplers = tracked.choice_samplers
                     tracked.choice_samplers = tracked.choice_firsts = None
                     children = self._fork_choices(request, firsts, samplers, reported=False)
@@ -682,7 +689,9 @@ class Executor:
         sequences = [r.get_tokens(0) for _, r in producing]
         sampled, logprobs = sample(picked, [self.tracked[r.request_id].sampler for _, r in producing],
                                    sequences)
-        for i, (_, request) in enumerate(producing):
+        for i, (_, request) in enumerate(producing if self._awaiting_fork else ()):
+            if request.request_id not in self._awaiting_fork:
+                continue
             tracked = self.tracked[request.request_id]
             if tracked.choice_samplers is not None and request.is_context_init_state:
                 # n / best_of: every candidate's first token from the one prefill's logits.
