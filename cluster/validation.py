@@ -3,7 +3,6 @@ request as plain values with the API defaults applied; each ``validate_*`` raise
 ``ValidationError`` naming the offending field. PURE: stdlib only."""
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Sequence

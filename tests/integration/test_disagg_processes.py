@@ -22,7 +22,7 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler import LlmRequestType
-from pdserve.transport.requests import UpdateKind, WireRequest, SamplingParams, WireUpdate
+from pdserve.transport.requests import UpdateKind, WireRequest, WireUpdate
 from pdserve.workers.rpc_worker import RpcWorkerClient
 from pdserve.workers.tiny_model import make_tiny_model
 

@@ -13,7 +13,7 @@ from pdserve import SamplingParams as ApiSamplingParams
 from pdserve.scheduler import LlmRequest
 from pdserve.transport.protocol import TransferDone, encode_message
 from pdserve.transport.sessions import RecvState
-from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest, SamplingParams
+from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.executor import Executor
