@@ -80,7 +80,8 @@ def build_executor(
         num_blocks = config.num_kv_blocks
     else:
         per_block = KVPool.bytes_per_block_for(
-            mcfg.num_hidden_layers, B, mcfg.num_key_value_heads, mcfg.head_dim, loaded.model.dtype
+            mcfg.num_hidden_layers, B, mcfg.cache_heads, mcfg.cache_head_dim, loaded.model.dtype,
+            mcfg.kv_planes,
         )
         budget = config.kv_cache_memory_bytes
         if budget is None:

@@ -1,6 +1,8 @@
 """The KV cache tensors of one worker, indexed by block id.
 
-``kv`` is one tensor [layers, 2, num_blocks, tokens_per_block, kv_heads, head_dim] (2 = K, V).
+``kv`` is one tensor [layers, planes, num_blocks, tokens_per_block, kv_heads, head_dim]: two
+planes (K, V) for multi-head and grouped-query attention, one for MLA, whose cache is one
+compressed latent per token (``kv_heads`` 1, ``head_dim`` kv_lora_rank + qk_rope_head_dim).
 Block accounting (which ids are free, shared, cached) lives in ``pdserve.scheduler.kv_cache``;
 this class only holds the numbers. ``gather_blocks``/``scatter_blocks`` move whole blocks (all
 layers, K and V) in and out, for the disaggregated KV transfer.
@@ -25,9 +27,13 @@ class KVPool:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_planes: int = 2,
     ) -> None:
         if min(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim) < 1:
             raise ValueError("KVPool dimensions must all be positive")
+        if num_planes not in (1, 2):
+            raise ValueError(f"num_planes must be 1 (MLA latent) or 2 (K and V), got {num_planes}")
+        self.num_planes = num_planes
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
@@ -36,26 +42,28 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.kv = torch.zeros(
-            (num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_dim), dtype=dtype, device=self.device
+            (num_layers, num_planes, num_blocks, tokens_per_block, num_kv_heads, head_dim), dtype=dtype,
+            device=self.device,
         )
-        self.block_numel = tokens_per_block * num_kv_heads * head_dim  # one block of one layer's K
+        self.block_numel = tokens_per_block * num_kv_heads * head_dim  # one block of one plane
         self.bytes_per_block = self.bytes_per_block_for(
-            num_layers, tokens_per_block, num_kv_heads, head_dim, dtype
+            num_layers, tokens_per_block, num_kv_heads, head_dim, dtype, num_planes
         )
-        # Row r * num_blocks + b of the [2 * layers * num_blocks, block_numel] view is block b of
-        # (layer, K/V) plane r; gathers index rows, the fast contiguous path of index_select.
-        self._rows = self.kv.view(2 * num_layers * num_blocks, self.block_numel)
-        self._plane_offsets = torch.arange(2 * num_layers, device=self.device)[:, None] * num_blocks
+        # Row r * num_blocks + b of the [planes * layers * num_blocks, block_numel] view is block
+        # b of (layer, plane) r; gathers index rows, the fast contiguous path of index_select.
+        self._rows = self.kv.view(num_planes * num_layers * num_blocks, self.block_numel)
+        self._plane_offsets = torch.arange(num_planes * num_layers, device=self.device)[:, None] * num_blocks
 
     # ----------------------------------------------------------------- sizing
 
     @staticmethod
     def bytes_per_block_for(
-        num_layers: int, tokens_per_block: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, tokens_per_block: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+        num_planes: int = 2,
     ) -> int:
-        """Bytes of one block id across all layers, K and V."""
+        """Bytes of one block id across all layers and planes."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * tokens_per_block * num_kv_heads * head_dim * itemsize
+        return num_layers * num_planes * tokens_per_block * num_kv_heads * head_dim * itemsize
 
     @classmethod
     def num_blocks_for_budget(
@@ -67,9 +75,11 @@ class KVPool:
         head_dim: int,
         *,
         dtype: torch.dtype = torch.float32,
+        num_planes: int = 2,
     ) -> int:
         """How many whole blocks fit in memory_bytes (0 when not even one does)."""
-        return max(0, int(memory_bytes) // cls.bytes_per_block_for(num_layers, tokens_per_block, num_kv_heads, head_dim, dtype))
+        per_block = cls.bytes_per_block_for(num_layers, tokens_per_block, num_kv_heads, head_dim, dtype, num_planes)
+        return max(0, int(memory_bytes) // per_block)
 
     @classmethod
     def from_memory_budget(
@@ -82,11 +92,14 @@ class KVPool:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_planes: int = 2,
     ) -> KVPool:
-        n = cls.num_blocks_for_budget(memory_bytes, num_layers, tokens_per_block, num_kv_heads, head_dim, dtype=dtype)
+        n = cls.num_blocks_for_budget(memory_bytes, num_layers, tokens_per_block, num_kv_heads, head_dim,
+                                      dtype=dtype, num_planes=num_planes)
         if n < 1:
             raise ValueError(f"KV memory budget of {memory_bytes} bytes holds no block")
-        return cls(num_layers, n, tokens_per_block, num_kv_heads, head_dim, dtype=dtype, device=device)
+        return cls(num_layers, n, tokens_per_block, num_kv_heads, head_dim, dtype=dtype, device=device,
+                   num_planes=num_planes)
 
     @classmethod
     def for_model(
@@ -98,18 +111,18 @@ class KVPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> KVPool:
-        """A pool shaped for a model config (``num_hidden_layers``, ``num_key_value_heads``,
-        ``head_dim``), e.g. ``pdserve.workers.model.ModelConfig``."""
+        """A pool shaped for a model config's KV cache (``num_hidden_layers``, ``kv_planes``,
+        ``cache_heads``, ``cache_head_dim``: ``pdserve.workers.model.ModelConfig``)."""
         return cls(
-            config.num_hidden_layers, num_blocks, tokens_per_block, config.num_key_value_heads,
-            config.head_dim, dtype=dtype, device=device,
+            config.num_hidden_layers, num_blocks, tokens_per_block, config.cache_heads,
+            config.cache_head_dim, dtype=dtype, device=device, num_planes=config.kv_planes,
         )
 
     # ----------------------------------------------------------------- block copies
 
     def block_shape(self, n: int) -> tuple[int, ...]:
-        """Shape of n gathered blocks: [layers, 2, n, B, kv_heads, head_dim]."""
-        return (self.num_layers, 2, n, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+        """Shape of n gathered blocks: [layers, planes, n, B, kv_heads, head_dim]."""
+        return (self.num_layers, self.num_planes, n, self.tokens_per_block, self.num_kv_heads, self.head_dim)
 
     def _row_index(self, block_ids: BlockIds) -> torch.Tensor:
         ids = torch.as_tensor(block_ids, dtype=torch.long).to(self.device).view(1, -1)  # [1, n]
@@ -118,10 +131,10 @@ class KVPool:
         return (self._plane_offsets + ids).view(-1)  # [2 * layers * n], plane-major
 
     def gather_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Copy blocks out: contiguous [layers, 2, n, B, kv_heads, head_dim], in block_ids order.
+        """Copy blocks out: contiguous [layers, planes, n, B, kv_heads, head_dim], in block_ids order.
         ``out`` (contiguous, that shape, the pool's dtype and device) avoids an allocation."""
         rows = self._row_index(block_ids)
-        n = rows.numel() // (2 * self.num_layers)
+        n = rows.numel() // (self.num_planes * self.num_layers)
         if out is None:
             out = torch.empty(self.block_shape(n), dtype=self.dtype, device=self.device)
         elif tuple(out.shape) != self.block_shape(n) or out.dtype != self.dtype or not out.is_contiguous():
@@ -130,10 +143,10 @@ class KVPool:
         return out
 
     def scatter_blocks(self, block_ids: BlockIds, data: torch.Tensor) -> None:
-        """Copy blocks in: data [layers, 2, n, B, kv_heads, head_dim] lands in block_ids order.
+        """Copy blocks in: data [layers, planes, n, B, kv_heads, head_dim] lands in block_ids order.
         Ids must be distinct (a duplicate would make the result depend on copy order)."""
         rows = self._row_index(block_ids)
-        n = rows.numel() // (2 * self.num_layers)
+        n = rows.numel() // (self.num_planes * self.num_layers)
         if tuple(data.shape) != self.block_shape(n):
             raise ValueError(f"data has shape {tuple(data.shape)}, expected {self.block_shape(n)}")
         if len(set(torch.as_tensor(block_ids).tolist())) != n:
@@ -147,12 +160,12 @@ class KVPool:
         self.kv[:, :, dst].copy_(self.kv[:, :, src])
 
     def layer(self, layer: int) -> torch.Tensor:
-        """One layer's view [2, num_blocks, B, kv_heads, head_dim] (what the model reads)."""
+        """One layer's view [planes, num_blocks, B, kv_heads, head_dim] (what the model reads)."""
         return self.kv[layer]
 
     def __repr__(self) -> str:
         return (
             f"KVPool(layers={self.num_layers}, blocks={self.num_blocks}, B={self.tokens_per_block}, "
-            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"planes={self.num_planes}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
             f"device={self.device})"
         )

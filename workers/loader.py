@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from .model import LlamaForCausalLM, ModelConfig, ModelConfigError, WeightLoadError
+from .model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -32,7 +32,7 @@ class ModelLoadError(ValueError):
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
+    model: DecoderLM
     config: ModelConfig
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
@@ -135,7 +135,7 @@ def load_model(
     files = weight_files(model_dir)
     tokenizer = load_tokenizer(model_dir)
     eos = load_eos_token_ids(model_dir, config)
-    model = LlamaForCausalLM(config, dtype=resolve_dtype(dtype, device), device=device)
+    model = build_model(config, dtype=resolve_dtype(dtype, device), device=device)
     try:
         model.load_weights(_iter_tensors(files))
     except WeightLoadError as e:

@@ -1,8 +1,11 @@
-"""Write a small random Llama-family model in Hugging Face format (``pdserve make-tiny-model``).
+"""Write a small random model of any supported family in Hugging Face format
+(``pdserve make-tiny-model --arch``).
 
 The directory holds config.json, model.safetensors (fp32, N(0, 0.02) init, norms at 1,
 deterministic from the seed), generation_config.json and a byte-level tokenizer.json. It loads
-through ``pdserve.workers.loader`` and through transformers' AutoModelForCausalLM alike.
+through ``pdserve.workers.loader`` and through transformers' AutoModelForCausalLM alike. Each
+family's extra config keys come from its entry in ``workers/model/registry.py``; the tensors are
+the ones its pdserve model loads (``weight_targets``), so writer and loader cannot disagree.
 
 Tokenizer: ids 0-2 are <unk>, <s>, </s>; ids 3-258 are the 256 bytes (GPT-2 byte-to-unicode
 alphabet, no merges; byte b is id 3 + b), so any UTF-8 text round-trips. Encoding adds no BOS.
@@ -64,7 +67,13 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+def _architectures() -> dict[str, Any]:
+    from .model.registry import BY_MODEL_TYPE
+
+    return dict(BY_MODEL_TYPE)
+
+
+ARCHITECTURES = _architectures()  # model_type -> registry.Architecture
 
 
 def byte_to_unicode() -> list[str]:
@@ -99,8 +108,9 @@ def _config_json(
     intermediate_size: int, vocab_size: int, max_position_embeddings: int,
     tie_word_embeddings: bool, rope_theta: float,
 ) -> dict[str, Any]:
+    spec = ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [spec.name],
         "model_type": arch,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -121,43 +131,31 @@ def _config_json(
         "torch_dtype": "float32",
         "use_cache": True,
     }
-    if arch == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    elif arch == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-    else:
-        cfg.update(sliding_window=None)
+    cfg.update(spec.tiny_config(cfg))
     return cfg
 
 
 def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor the family's pdserve model loads, in checkpoint names: norms at 1 (0 for
+    the 1 + w norms of Gemma), everything else N(0, 0.02), drawn from the seed in the model's
+    own order with the LM head last (for Llama the order the first writer used, so the
+    built-in model keeps its weights)."""
+    from .model import ModelConfig, build_model
+
+    config = ModelConfig.from_hf_dict(cfg)
+    with torch.device("meta"):
+        model = build_model(config, dtype=torch.float32, device="meta")
+    shapes = {name: tuple(t.shape) for name, t in model.weight_targets().items()}
+    if "lm_head.weight" in shapes:
+        shapes["lm_head.weight"] = shapes.pop("lm_head.weight")
     gen = torch.Generator().manual_seed(seed)
-    H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
-
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(V, H)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = torch.ones(H)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(H)
-        w[p + "self_attn.q_proj.weight"] = normal(q, H)
-        w[p + "self_attn.k_proj.weight"] = normal(kv, H)
-        w[p + "self_attn.v_proj.weight"] = normal(kv, H)
-        w[p + "self_attn.o_proj.weight"] = normal(H, q)
-        if cfg["model_type"] == "qwen2":
-            w[p + "self_attn.q_proj.bias"] = normal(q)
-            w[p + "self_attn.k_proj.bias"] = normal(kv)
-            w[p + "self_attn.v_proj.bias"] = normal(kv)
-        w[p + "mlp.gate_proj.weight"] = normal(I, H)
-        w[p + "mlp.up_proj.weight"] = normal(I, H)
-        w[p + "mlp.down_proj.weight"] = normal(H, I)
-    w["model.norm.weight"] = torch.ones(H)
-    if not cfg["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal(V, H)
+    w: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        shape = shapes[name]
+        if "norm" in name.rsplit(".", 2)[-2] and len(shape) == 1:
+            w[name] = torch.zeros(shape) if model.norm_unit_offset else torch.ones(shape)
+        else:
+            w[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02
     return w
 
 

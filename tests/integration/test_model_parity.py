@@ -50,6 +50,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "Qwen2Config", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}
     ),
     "mistral_window": ("MistralConfig", {"sliding_window": 7, "head_dim": 24}),
+    "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "qwen3_bias_sliding_yarn": (
+        "Qwen3Config",
+        {
+            "attention_bias": True, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        },
+    ),
 }
 
 

@@ -1,17 +1,22 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral configs) with paged attention over a flat batch.
+"""The decoders pdserve runs, with paged attention over a flat batch.
 
-Entry points: ``ModelConfig.from_hf_dict(config_json)``, ``LlamaForCausalLM(config, dtype=,
-device=)`` + ``load_weights(...)`` (or ``pdserve.workers.loader.load_model``), and
-``LlamaForCausalLM.forward(input_ids, positions, seqs: list[SeqBatchInfo], kv_pool)``.
+Entry points: ``ModelConfig.from_hf_dict(config_json)`` (dispatches to the architecture's
+parser, ``registry.py``), ``build_model(config, dtype=, device=)`` + ``load_weights(...)`` (or
+``pdserve.workers.loader.load_model``), and ``model.forward(input_ids, positions,
+seqs: list[SeqBatchInfo], kv_pool)``.
 """
 from __future__ import annotations
 
 from .batch import AttentionMetadata, SeqBatchInfo
-from .config import ModelConfig, ModelConfigError, RopeConfig, SUPPORTED_ARCHITECTURES
-from .llama import LlamaForCausalLM, WeightLoadError
+from .config import ModelConfig, ModelConfigError, RopeConfig
+from .decoder import DecoderLM, WeightLoadError
+from .llama import LlamaForCausalLM
+from .registry import ARCHITECTURES, SUPPORTED_ARCHITECTURES, build_model
 
 __all__ = [
+    "ARCHITECTURES",
     "AttentionMetadata",
+    "DecoderLM",
     "LlamaForCausalLM",
     "ModelConfig",
     "ModelConfigError",
@@ -19,4 +24,5 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SeqBatchInfo",
     "WeightLoadError",
+    "build_model",
 ]

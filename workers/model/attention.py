@@ -17,7 +17,7 @@ from torch import nn
 
 from .batch import AttentionMetadata
 from .config import ModelConfig
-from .layers import _empty, rotate_in_place
+from .layers import RMSNorm, _empty, rotate_in_place
 
 
 class Workspace:
@@ -45,25 +45,63 @@ class Workspace:
 
 
 class PagedAttention(nn.Module):
-    """One layer's attention weights and its two halves, ``project`` and ``attend``; the
-    decoder layer drives them (and the output projection) so that it can tile the tokens."""
+    """One layer's attention weights and its parts: ``project`` and ``output`` per token tile,
+    ``attend`` over the whole batch; the decoder layer drives them so that it can tile the
+    tokens. Every attention kind (this GQA one, MLA) offers the same four methods.
 
-    def __init__(self, config: ModelConfig, window: int | None, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    Options from the config: biases, per-head q/k RMSNorm before RoPE (``qk_norm``; Gemma's
+    ``unit_offset`` scale), the softmax scale, the layer's sliding window."""
+
+    def __init__(
+        self, config: ModelConfig, window: int | None, *, dtype: torch.dtype, device: torch.device | str,
+        norm_unit_offset: bool = False,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.window = window
+        self.scale = config.attn_scale  # None: SDPA's default, head_dim ** -0.5
         qkv_rows = config.q_size + 2 * config.kv_size
         # Fused projection; rows are q, then k, then v.
         self.qkv_weight = _empty((qkv_rows, config.hidden_size), dtype, device)
         self.qkv_bias = _empty((qkv_rows,), dtype, device) if config.qkv_bias else None
         self.o_weight = _empty((config.hidden_size, config.q_size), dtype, device)
         self.o_bias = _empty((config.hidden_size,), dtype, device) if config.o_bias else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            kw = dict(dtype=dtype, device=device, unit_offset=norm_unit_offset)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
 
     @property
     def qkv_heads(self) -> int:
         return self.num_heads + 2 * self.num_kv_heads
+
+    def step_buffers(self, T: int, workspace: Workspace, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step-wide buffers shared by all layers: projections of every token, attention output."""
+        qkv = workspace.get("qkv", (T, self.qkv_heads, self.head_dim), dtype, device)
+        att = workspace.get("attn", (T, self.num_heads * self.head_dim), dtype, device)
+        return qkv, att
+
+    def output(self, att: torch.Tensor) -> torch.Tensor:  # [t, h * d] -> [t, H]
+        return F.linear(att, self.o_weight, self.o_bias)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """HF names (``prefix`` + q_proj/k_proj/v_proj/o_proj/q_norm/k_norm) -> what they fill."""
+        qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        t: dict[str, torch.Tensor] = {}
+        for name, lo, hi in (("q", 0, qs), ("k", qs, qs + kvs), ("v", qs + kvs, qs + 2 * kvs)):
+            t[prefix + f"{name}_proj.weight"] = self.qkv_weight[lo:hi]
+            if self.qkv_bias is not None:
+                t[prefix + f"{name}_proj.bias"] = self.qkv_bias[lo:hi]
+        t[prefix + "o_proj.weight"] = self.o_weight
+        if self.o_bias is not None:
+            t[prefix + "o_proj.bias"] = self.o_bias
+        if self.q_norm is not None:
+            t[prefix + "q_norm.weight"] = self.q_norm.weight
+            t[prefix + "k_norm.weight"] = self.k_norm.weight
+        return t
 
     def project(
         self,
@@ -80,6 +118,9 @@ class PagedAttention(nn.Module):
             torch.mm(x, self.qkv_weight.t(), out=flat)
         else:
             torch.addmm(self.qkv_bias, x, self.qkv_weight.t(), out=flat)
+        if self.q_norm is not None:
+            qkv[:, :h] = self.q_norm(qkv[:, :h])
+            qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh])
         rotate_in_place(qkv[:, : h + kvh], cos, sin)
         num_blocks, B = layer_kv.shape[1], layer_kv.shape[2]
         pool_slots = layer_kv.view(2, num_blocks * B, kvh, d)
@@ -92,9 +133,10 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
         layer_kv: torch.Tensor,  # [2, num_blocks, B, kv_heads, d], holding this step's K/V too
         workspace: Workspace,
-        out: torch.Tensor,  # [T, h, d] contiguous: receives the attention output
+        out: torch.Tensor,  # [T, h * d] contiguous: receives the attention output
     ) -> None:
         T = qkv.shape[0]
+        out = out.view(T, self.num_heads, self.head_dim)
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]  # [T, h|kvh|kvh, d]
         num_blocks, B = layer_kv.shape[1], layer_kv.shape[2]
@@ -113,7 +155,7 @@ class PagedAttention(nn.Module):
             buf = gathered[g.row_offset : g.row_offset + g.gather_rows.numel()]
             kv = buf.view(2, n, L, kvh, d).transpose(2, 3)  # [2, n, kvh, L, d] (strided view)
             qg = q.index_select(0, g.token_index).view(n, kvh, h // kvh, d)
-            o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.masks[self.window])
+            o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.masks[self.window], scale=self.scale)
             out_grouped.index_copy_(0, g.token_index, o)  # o [n, kvh, h // kvh, d]
         for c in meta.context_chunks:
             rows = slice(c.start, c.start + c.num_new)
@@ -128,6 +170,6 @@ class PagedAttention(nn.Module):
                 kc, vc = kv[0], kv[1]  # [1, kvh, n_keys, d]
             mask = c.masks[self.window]
             o = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h
+                qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h, scale=self.scale,
             )  # [1, h, n, d]
             out[rows] = o[0].transpose(0, 1)

@@ -52,8 +52,9 @@ class DecodeGroup:
     """Sequences with one new token each, attended together.
 
     token_index [n]: their rows in the flat batch.
-    gather_rows [2 * n * max_blocks]: rows of a layer's pool viewed as [2 * num_blocks, B*kv*d]:
-        all K blocks (seq-major, padded with block 0) then the same for V.
+    gather_rows [planes * n * max_blocks]: rows of a layer's pool viewed as
+        [planes * num_blocks, B*kv*d]: all K blocks (seq-major, padded with block 0) then the
+        same for V (MLA's one-plane pool: the latent blocks only).
     masks[window] [n, 1, 1, n_keys], the model dtype: additive, 0 where the key is attended and
         -inf elsewhere (every row attends at least its own token, so softmax stays finite).
     row_offset: where its rows start in AttentionMetadata.decode_gather_rows.
@@ -112,9 +113,12 @@ class AttentionMetadata:
         block_bytes: int = 0,
         group_bytes: int = GROUP_GATHER_BYTES,
         dtype: torch.dtype = torch.float32,
+        num_planes: int = 2,
     ) -> AttentionMetadata:
         """block_bytes: one block's K+V bytes in one layer; with group_bytes it caps the size of
-        a decode group's gather (block_bytes 0: no cap). dtype: the model's, for the masks."""
+        a decode group's gather (block_bytes 0: no cap). dtype: the model's, for the masks.
+        num_planes: the pool's planes per layer (2: K and V; 1: MLA's latent); gathers read
+        every plane's blocks, plane after plane."""
         B = tokens_per_block
         windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         slots = [0] * num_tokens
@@ -148,8 +152,8 @@ class AttentionMetadata:
             rows = None
             if past > 0:
                 ids = list(bt[:nb])
-                rows = torch.tensor(ids + [i + num_blocks for i in ids], dtype=torch.long)
-                max_rows = max(max_rows, 2 * nb)
+                rows = _plane_rows(ids, num_blocks, num_planes)
+                max_rows = max(max_rows, num_planes * nb)
             q_pos = torch.arange(past, total)[:, None]  # [n, 1]
             k_pos = torch.arange(nb * B if past > 0 else n)[None, :]  # [1, n_keys]
             masks: dict[int | None, torch.Tensor | None] = {}
@@ -166,7 +170,7 @@ class AttentionMetadata:
             raise ValueError("flat batch has rows that belong to no sequence")
 
         groups = [
-            _decode_group(g, B, num_blocks, windows, dtype, device)
+            _decode_group(g, B, num_blocks, windows, dtype, device, num_planes)
             for g in _split_decode(decode, B, block_bytes, group_bytes)
         ]
         offset = 0
@@ -185,6 +189,12 @@ class AttentionMetadata:
             max_gather_rows=max_rows,
             decode_gather_rows=torch.cat([g.gather_rows for g in groups]) if groups else None,
         )
+
+
+def _plane_rows(ids: list[int], num_blocks: int, num_planes: int) -> torch.Tensor:
+    """Rows of a layer's pool viewed as [planes * num_blocks, B * heads * d]: the blocks of
+    plane 0 (K), then the same blocks of plane 1 (V) when there are two."""
+    return torch.tensor([i + p * num_blocks for p in range(num_planes) for i in ids], dtype=torch.long)
 
 
 def _to(t: torch.Tensor | None, device: torch.device | str) -> torch.Tensor | None:
@@ -226,6 +236,7 @@ def _decode_group(
     windows: Sequence[int | None],
     dtype: torch.dtype,
     device: torch.device | str,
+    num_planes: int = 2,
 ) -> DecodeGroup:
     max_blocks = max(s.past_len // B + 1 for s in seqs)
     ids: list[int] = []
@@ -233,7 +244,7 @@ def _decode_group(
         nb = s.past_len // B + 1
         ids.extend(s.block_table[:nb])
         ids.extend([0] * (max_blocks - nb))
-    rows = torch.tensor(ids + [i + num_blocks for i in ids], dtype=torch.long)
+    rows = _plane_rows(ids, num_blocks, num_planes)
     lens = torch.tensor([s.past_len + 1 for s in seqs], dtype=torch.long)[:, None]  # [n, 1]
     k_pos = torch.arange(max_blocks * B)[None, :]  # [1, n_keys]
     masks: dict[int | None, torch.Tensor] = {}

@@ -1,23 +1,18 @@
-"""Model configuration for the Llama family, parsed from a Hugging Face ``config.json`` dict.
+"""Model configuration, parsed from a Hugging Face ``config.json`` dict.
 
-One decoder covers Llama, Qwen2 and Mistral: they differ only in which projections carry biases,
-in RoPE parameters and in sliding-window attention. Anything this decoder cannot run exactly
-(another activation, another RoPE type, partial rotary embeddings, ...) is rejected here with a
-``ModelConfigError`` instead of silently producing different logits.
+``ModelConfig`` holds what every decoder shares (sizes, RoPE, windows, the KV cache shape);
+an architecture that needs more subclasses it in its own module (``registry.py`` lists them).
+``parse_common`` reads the shared fields; each architecture's parser adds its own and rejects
+what it cannot run exactly with a ``ModelConfigError`` instead of silently producing different
+logits.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-# architectures entry -> model_type; config.json names either or both.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "mistral",
-}
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(SUPPORTED_ARCHITECTURES.values())
-SUPPORTED_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "llama3"})
+SUPPORTED_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 class ModelConfigError(ValueError):
@@ -34,7 +29,14 @@ class RopeConfig:
     factor: float = 1.0  # linear and llama3
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and yarn
+    # yarn only (transformers' _compute_yarn_parameters): the ramp between extrapolated and
+    # interpolated frequencies, and the factor cos/sin are multiplied by.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+    rotary_dim: int | None = None  # None: the whole head; else the first rotary_dim dims
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,39 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_pytorch_tanh"
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    # Per layer: index into ``ropes``; () = every layer uses ``rope`` (ropes == (rope,)).
+    layer_rope_index: tuple[int, ...] = ()
+    extra_ropes: tuple[RopeConfig, ...] = ()  # ropes[1:], e.g. Gemma 3's local-layer base
+    attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def ropes(self) -> tuple[RopeConfig, ...]:
+        return (self.rope, *self.extra_ropes)
+
+    def rope_index(self, layer: int) -> int:
+        return self.layer_rope_index[layer] if self.layer_rope_index else 0
+
+    # The KV cache's shape per token and layer: ``kv_planes`` planes (2: K and V; 1: a single
+    # latent, MLA) of ``cache_heads`` x ``cache_head_dim``. The pool, the transfer, the prefix
+    # cache and the cost model size blocks by it, never by attention heads directly.
+    @property
+    def kv_planes(self) -> int:
+        return 2
+
+    @property
+    def cache_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        return self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV cache bytes one token holds across all layers."""
+        return self.num_hidden_layers * self.kv_planes * self.cache_heads * self.cache_head_dim * itemsize
 
     @property
     def num_kv_groups(self) -> int:
@@ -73,57 +108,86 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        model_type = _model_type(cfg)
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise ModelConfigError(f"unsupported hidden_act {act!r} (only 'silu' is supported)")
-        hidden = _req_int(cfg, "hidden_size")
-        heads = _req_int(cfg, "num_attention_heads")
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-        if head_dim % 2:
-            raise ModelConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
-        layers = _req_int(cfg, "num_hidden_layers")
-        max_pos = int(cfg.get("max_position_embeddings") or 2048)
+        """Parse through the architecture's own parser (see ``registry.py``)."""
+        from .registry import parse_config
 
-        attention_bias = bool(cfg.get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias, mlp_bias = True, False, False
-        elif model_type == "mistral":
-            qkv_bias, o_bias, mlp_bias = False, False, False
-        else:
-            qkv_bias, o_bias = attention_bias, attention_bias
-            mlp_bias = bool(cfg.get("mlp_bias", False))
+        return parse_config(cfg)
 
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
-            () if eos is None else (int(eos),)
+
+def parse_common(
+    cfg: Mapping[str, Any], model_type: str, *, acts: tuple[str, ...] = ("silu",),
+    default_window_layers: bool = True,
+) -> dict[str, Any]:
+    """The fields every decoder shares, as ``ModelConfig`` keyword arguments. Projection biases
+    default to Llama's keys (``attention_bias``, ``mlp_bias``); layer windows to ``layer_types``
+    or the model's sliding-window keys (``default_window_layers`` False: every layer full)."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", acts[0])) or acts[0]
+    if act not in acts:
+        raise ModelConfigError(f"unsupported hidden_act {act!r} (supported: {', '.join(acts)})")
+    hidden = _req_int(cfg, "hidden_size")
+    heads = _req_int(cfg, "num_attention_heads")
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
         )
-        bos = cfg.get("bos_token_id")
-        return cls(
-            model_type=model_type,
-            vocab_size=_req_int(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_req_int(cfg, "intermediate_size"),
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_pos,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(cfg, max_pos),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=mlp_bias,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            layer_windows=_layer_windows(cfg, model_type, layers),
-            bos_token_id=None if bos is None or isinstance(bos, list) else int(bos),
-            eos_token_ids=eos_ids,
-        )
+    if head_dim % 2:
+        raise ModelConfigError(f"head_dim={head_dim} must be even for rotary embeddings")
+    layers = _req_int(cfg, "num_hidden_layers")
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    attention_bias = bool(cfg.get("attention_bias", False))
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
+        () if eos is None else (int(eos),)
+    )
+    bos = cfg.get("bos_token_id")
+    return dict(
+        model_type=model_type,
+        vocab_size=_req_int(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(cfg, max_pos),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        layer_windows=(
+            layer_windows_from_types(cfg, layers) if default_window_layers else (None,) * layers
+        ),
+        bos_token_id=None if bos is None or isinstance(bos, list) else int(bos),
+        eos_token_ids=eos_ids,
+        hidden_act=act,
+    )
+
+
+def layer_windows_from_types(
+    cfg: Mapping[str, Any], layers: int, window: int | None | str = "config"
+) -> tuple[int | None, ...]:
+    """Per layer: the window for layers typed "sliding_attention" in ``layer_types`` (every
+    layer when there is no ``layer_types``), None for "full_attention"."""
+    if window == "config":
+        window = cfg.get("sliding_window")
+    if window is not None and int(window) <= 0:
+        raise ModelConfigError(f"sliding_window={window} must be positive")
+    window = None if window is None else int(window)
+    types = cfg.get("layer_types")
+    if types is None:
+        return (window,) * layers
+    if len(types) != layers:
+        raise ModelConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+    out: list[int | None] = []
+    for t in types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise ModelConfigError(f"unsupported layer type {t!r}")
+        out.append(window if t == "sliding_attention" else None)
+    return tuple(out)
 
 
 def _req_int(cfg: Mapping[str, Any], key: str) -> int:
@@ -131,29 +195,6 @@ def _req_int(cfg: Mapping[str, Any], key: str) -> int:
     if value is None:
         raise ModelConfigError(f"missing required field {key!r}")
     return int(value)
-
-
-def _model_type(cfg: Mapping[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-    model_type = cfg.get("model_type")
-    if archs:
-        from_arch = SUPPORTED_ARCHITECTURES[archs[0]]
-        if model_type is not None and model_type != from_arch:
-            raise ModelConfigError(
-                f"model_type {model_type!r} does not match architecture {archs[0]!r}"
-            )
-        return from_arch
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelConfigError(
-            f"unsupported model_type {model_type!r} and no supported architecture "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    return str(model_type)
 
 
 def _rope_config(cfg: Mapping[str, Any], max_pos: int) -> RopeConfig:
@@ -168,28 +209,40 @@ def _rope_config(cfg: Mapping[str, Any], max_pos: int) -> RopeConfig:
         if not isinstance(value, Mapping):
             raise ModelConfigError(f"{key} must be a mapping, got {type(value).__name__}")
         if any(isinstance(v, Mapping) for v in value.values()):
-            raise ModelConfigError(f"per-layer-type {key} are not supported")
+            raise ModelConfigError(f"per-layer-type {key} are not supported for this architecture")
         params.update(value)
-    theta = float(params.get("rope_theta", cfg.get("rope_theta") or 10000.0))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = partial
+    return rope_from_params(params, cfg.get("rope_theta"), max_pos)
+
+
+def rope_from_params(
+    params: Mapping[str, Any], default_theta: float | None, max_pos: int, *, where: str = "rope"
+) -> RopeConfig:
+    """One RoPE dict (transformers' rope_parameters for one layer type) -> RopeConfig."""
+    theta = float(params.get("rope_theta", default_theta or 10000.0))
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
-            f"unsupported rope type {rope_type!r} (supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})"
+            f"unsupported {where} type {rope_type!r} (supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})"
         )
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+    partial = float(params.get("partial_rotary_factor") or 1.0)
     if partial != 1.0:
         raise ModelConfigError(f"partial_rotary_factor={partial} is not supported")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "yarn":
+        return _yarn(params, theta, max_pos)
     if "factor" not in params:
-        raise ModelConfigError(f"rope type {rope_type!r} needs a 'factor'")
+        raise ModelConfigError(f"{where} type {rope_type!r} needs a 'factor'")
     factor = float(params["factor"])
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=factor)
     try:
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
     except KeyError as e:
-        raise ModelConfigError(f"rope type 'llama3' needs {e.args[0]!r}") from None
+        raise ModelConfigError(f"{where} type 'llama3' needs {e.args[0]!r}") from None
     if high <= low:
         raise ModelConfigError("llama3 rope needs high_freq_factor > low_freq_factor")
     orig = int(params.get("original_max_position_embeddings") or max_pos)
@@ -203,33 +256,31 @@ def _rope_config(cfg: Mapping[str, Any], max_pos: int) -> RopeConfig:
     )
 
 
-def _layer_windows(cfg: Mapping[str, Any], model_type: str, layers: int) -> tuple[int | None, ...]:
-    """Sliding-window size per layer, following the transformers model classes exactly:
-    Llama never slides; Mistral slides every layer when ``sliding_window`` is set; Qwen2 slides
-    the layers typed "sliding_attention" (derived from ``max_window_layers`` when ``layer_types``
-    is absent) and only when ``use_sliding_window`` is true."""
-    if model_type == "llama":
-        return (None,) * layers
-    window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-        window = None
-    if window is not None and int(window) <= 0:
-        raise ModelConfigError(f"sliding_window={window} must be positive")
-    window = None if window is None else int(window)
-    if model_type == "mistral":
-        return (window,) * layers
-    types = cfg.get("layer_types")
-    if types is None:
-        max_window_layers = int(cfg.get("max_window_layers", 28))
-        types = [
-            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
-            for i in range(layers)
-        ]
-    if len(types) != layers:
-        raise ModelConfigError(f"layer_types has {len(types)} entries for {layers} layers")
-    out: list[int | None] = []
-    for t in types:
-        if t not in ("full_attention", "sliding_attention"):
-            raise ModelConfigError(f"unsupported layer type {t!r}")
-        out.append(window if t == "sliding_attention" else None)
-    return tuple(out)
+def _yarn(params: Mapping[str, Any], theta: float, max_pos: int) -> RopeConfig:
+    """YaRN as transformers computes it: ``factor`` defaults to max_pos / original, and the
+    cos/sin factor to mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are
+    given, else mscale(factor) (0.1 ln(factor) + 1)."""
+    orig = params.get("original_max_position_embeddings")
+    if orig is None:
+        raise ModelConfigError("rope type 'yarn' needs 'original_max_position_embeddings'")
+    orig = int(orig)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_pos / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(
+        theta=theta,
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=orig,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        attention_factor=float(attention_factor),
+        truncate=bool(params.get("truncate", True)),
+    )

@@ -18,13 +18,23 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    """RMSNorm over the last ``size`` elements. ``unit_offset``: the checkpoint stores w and the
+    scale is 1 + w (Gemma), computed in fp32 and rounded to the model dtype at the end."""
+
+    def __init__(
+        self, size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
+        unit_offset: bool = False,
+    ) -> None:
         super().__init__()
         self.weight = _empty((size,), dtype, device)
         self.eps = eps
         self.size = size
+        self.unit_offset = unit_offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if self.unit_offset:
+            normed = F.rms_norm(x.float(), (self.size,), None, self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (self.size,), self.weight, self.eps)
         # Low precision: normalise in fp32, round to the model dtype, then scale, the order
@@ -36,6 +46,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, computed as transformers does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
@@ -55,17 +67,45 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: interpolated (slowed by ``factor``) frequencies below the correction range,
+    extrapolated (unchanged) ones above it, a linear ramp between."""
+    base, orig = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero, as transformers does
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables for one RoPE config over ``head_dim`` rotary dims (YaRN's
+    attention factor folded in, as transformers multiplies cos and sin by it)."""
+
     def __init__(self, rope: RopeConfig, head_dim: int, *, device: torch.device | str) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim).to(device), persistent=False)
+        self.scale = rope.attention_factor if rope.rope_type == "yarn" else 1.0
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, 1, head_dim // 2] in `dtype` (broadcast over heads).
         The angles are computed in fp32 from the integer positions, never accumulated. Both halves
         of a head share these angles, so only one half is materialised."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, d/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -82,12 +122,17 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> No
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused into one matmul. act is
+    SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
 
     def __init__(
-        self, hidden: int, intermediate: int, bias: bool, *, dtype: torch.dtype, device: torch.device | str
+        self, hidden: int, intermediate: int, bias: bool, *, dtype: torch.dtype, device: torch.device | str,
+        act: str = "silu",
     ) -> None:
         super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported activation {act!r}")
+        self.act = act
         self.intermediate = intermediate
         self.gate_up_weight = _empty((2 * intermediate, hidden), dtype, device)  # rows: gate, up
         self.gate_up_bias = _empty((2 * intermediate,), dtype, device) if bias else None
@@ -98,5 +143,22 @@ class GatedMLP(nn.Module):
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         gate, up = gate_up.split(self.intermediate, dim=-1)  # row-strided views [T, I]
         # In place: no fresh [T, I] tensors (large ones cost page faults on every step).
-        act = F.silu(gate, inplace=True).mul_(up)
+        if self.act == "silu":
+            act = F.silu(gate, inplace=True).mul_(up)
+        else:
+            act = F.gelu(gate, approximate="tanh").mul_(up)
         return F.linear(act, self.down_weight, self.down_bias)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """HF names (``prefix`` + gate_proj/up_proj/down_proj) -> the slices they fill."""
+        inter = self.intermediate
+        t = {
+            prefix + "gate_proj.weight": self.gate_up_weight[:inter],
+            prefix + "up_proj.weight": self.gate_up_weight[inter:],
+            prefix + "down_proj.weight": self.down_weight,
+        }
+        if self.gate_up_bias is not None:
+            t[prefix + "gate_proj.bias"] = self.gate_up_bias[:inter]
+            t[prefix + "up_proj.bias"] = self.gate_up_bias[inter:]
+            t[prefix + "down_proj.bias"] = self.down_bias
+        return t

@@ -1,0 +1,245 @@
+"""The decoder every architecture shares, over a flat, paged batch.
+
+One ``forward`` runs one engine step: T new tokens from any mix of sequences (context chunks and
+decode tokens), the KV cache read from and written to a ``KVPool``. ``DecoderLM`` owns the
+embedding, the layer stack, the final norm and the LM head; an architecture (one module under
+``workers/model``, listed in ``registry.py``) subclasses it and overrides only the hooks where it
+differs: ``make_attention``, ``make_mlp``, ``make_norm``, ``embed``, ``convert_weights``. The layer
+runs pre-norm residual blocks, with Gemma's extra post-norms when ``sandwich_norms``.
+
+Parameters use the model dtype (fp32 on CPU, bf16 on CUDA by default); logits come back in fp32.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import PagedAttention, Workspace
+from .batch import GROUP_GATHER_BYTES, AttentionMetadata, SeqBatchInfo
+from .config import ModelConfig
+from .layers import GatedMLP, RMSNorm, RotaryEmbedding, _empty
+
+if TYPE_CHECKING:
+    from ..kv_pool import KVPool
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint tensors do not match the model (missing, unexpected or misshapen)."""
+
+
+# Tokens per tile of a layer's per-token work (norms, projections, RoPE, MLP) in big batches
+# (prefill): intermediates such as the MLP's [tile, 2 * intermediate] stay small enough to be
+# reused from the allocator's free lists, where step-sized ones are faulted in afresh in every
+# layer (~10% of a 4096-token prefill on CPU); 512 rows still run matmuls at full speed.
+TOKEN_TILE = 512
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual attention and MLP blocks. ``sandwich``: each block's output is
+    normalised again before the residual add (Gemma's post_attention/post_feedforward norms,
+    with pre_feedforward_layernorm as the MLP's input norm)."""
+
+    def __init__(self, attn: nn.Module, mlp: nn.Module, make_norm: Callable[[], RMSNorm],
+                 *, rope_index: int = 0, sandwich: bool = False) -> None:
+        super().__init__()
+        self.input_norm = make_norm()
+        self.attn = attn
+        self.post_attn_norm = make_norm()
+        self.mlp = mlp
+        self.sandwich = sandwich
+        self.rope_index = rope_index
+        if sandwich:
+            self.pre_mlp_norm = make_norm()
+            self.post_mlp_norm = make_norm()
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, H], updated in place
+        cos_sin: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per rope: [T, 1, rot/2] each
+        meta: AttentionMetadata,
+        layer_kv: torch.Tensor,  # this layer's pool view [planes, num_blocks, B, heads, d]
+        workspace: Workspace,
+        token_tile: int = TOKEN_TILE,
+    ) -> torch.Tensor:  # [T, H], the same tensor as h
+        T = h.shape[0]
+        attn = self.attn
+        cos, sin = cos_sin[self.rope_index]
+        qkv, att = attn.step_buffers(T, workspace, h.dtype, h.device)
+        tiles = [slice(a, min(a + token_tile, T)) for a in range(0, T, token_tile)]
+        for t in tiles:
+            attn.project(self.input_norm(h[t]), cos[t], sin[t], meta.slots[t], layer_kv, qkv[t])
+        attn.attend(qkv, meta, layer_kv, workspace, att)
+        for t in tiles:
+            x = h[t]
+            if self.sandwich:
+                x.add_(self.post_attn_norm(attn.output(att[t])))
+                x.add_(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))
+            else:
+                x.add_(attn.output(att[t]))
+                x.add_(self.mlp(self.post_attn_norm(x)))
+        return h
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        t = {
+            prefix + "input_layernorm.weight": self.input_norm.weight,
+            prefix + "post_attention_layernorm.weight": self.post_attn_norm.weight,
+        }
+        if self.sandwich:
+            t[prefix + "pre_feedforward_layernorm.weight"] = self.pre_mlp_norm.weight
+            t[prefix + "post_feedforward_layernorm.weight"] = self.post_mlp_norm.weight
+        t.update(self.attn.weight_targets(prefix + "self_attn."))
+        t.update(self.mlp.weight_targets(prefix + self.mlp_prefix))
+        return t
+
+    mlp_prefix = "mlp."
+
+
+class DecoderLM(nn.Module):
+    """A decoder-only causal LM; architectures override the hooks below."""
+
+    # Norms scale by 1 + w (Gemma) rather than w.
+    norm_unit_offset: ClassVar[bool] = False
+    sandwich_norms: ClassVar[bool] = False
+    # Where each layer's MLP lives in checkpoint names (Mixtral: "block_sparse_moe.").
+    mlp_prefix: ClassVar[str] = "mlp."
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        H = config.hidden_size
+        self.embed_weight = _empty((config.vocab_size, H), dtype, device)  # [V, H]
+        layers = []
+        for i in range(config.num_hidden_layers):
+            layer = DecoderLayer(self.make_attention(i), self.make_mlp(i), self.make_norm,
+                                 rope_index=config.rope_index(i), sandwich=self.sandwich_norms)
+            layer.mlp_prefix = self.mlp_prefix
+            layers.append(layer)
+        self.layers = nn.ModuleList(layers)
+        self.norm = self.make_norm()
+        self.lm_head_weight = (
+            self.embed_weight if config.tie_word_embeddings else _empty((config.vocab_size, H), dtype, device)
+        )
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(rope, rope.rotary_dim or config.head_dim, device=device) for rope in config.ropes
+        )
+        self.workspace = Workspace()
+        # Byte cap of one decode group's per-layer K/V gather (see batch.py); tunable.
+        self.decode_group_bytes = GROUP_GATHER_BYTES
+        self.token_tile = TOKEN_TILE  # tunable, see DecoderLayer
+
+    # ----------------------------------------------------------------- hooks
+
+    def make_norm(self, size: int | None = None) -> RMSNorm:
+        return RMSNorm(size or self.config.hidden_size, self.config.rms_norm_eps, dtype=self.dtype,
+                       device=self.device, unit_offset=self.norm_unit_offset)
+
+    def make_attention(self, layer: int) -> nn.Module:
+        return PagedAttention(self.config, self.config.layer_windows[layer], dtype=self.dtype,
+                              device=self.device, norm_unit_offset=self.norm_unit_offset)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        cfg = self.config
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype=self.dtype,
+                        device=self.device, act=cfg.hidden_act)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return F.embedding(input_ids, self.embed_weight)
+
+    def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint (name, tensor) pairs -> the names ``weight_targets`` uses (an architecture
+        whose checkpoints fuse, split or quantise tensors rewrites them here)."""
+        yield from tensors
+
+    # ----------------------------------------------------------------- forward
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor | None,  # [T] long, or None to derive them from seqs
+        seqs: Sequence[SeqBatchInfo],
+        kv_pool: KVPool,
+        *,
+        all_logits: bool = False,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """One step over a flat batch. Writes the new tokens' KV into ``kv_pool`` and returns
+        fp32 logits [len(seqs), V] of each sequence's last new token (in ``seqs`` order), or
+        [T, V] for every flat row when ``all_logits``. ``on_layer(n)`` runs after layer n - 1
+        has written its KV (layer-wise KV sends start from it)."""
+        cfg = self.config
+        if kv_pool.dtype != self.dtype or kv_pool.num_layers != cfg.num_hidden_layers:
+            raise ValueError(f"{kv_pool!r} does not match the model ({cfg.num_hidden_layers} layers, {self.dtype})")
+        if (kv_pool.num_planes, kv_pool.num_kv_heads, kv_pool.head_dim) != (
+            cfg.kv_planes, cfg.cache_heads, cfg.cache_head_dim
+        ):
+            raise ValueError(f"{kv_pool!r} does not match the model's KV cache shape")
+        T = input_ids.shape[0]
+        meta = AttentionMetadata.build(
+            seqs, T, kv_pool.tokens_per_block, kv_pool.num_blocks, cfg.layer_windows, self.device,
+            block_bytes=kv_pool.num_planes * kv_pool.block_numel * kv_pool.kv.element_size(),
+            group_bytes=self.decode_group_bytes, dtype=self.dtype, num_planes=kv_pool.num_planes,
+        )
+        if positions is not None and not torch.equal(positions.to(self.device), meta.positions):
+            raise ValueError("positions disagree with the sequences' past_len")
+        input_ids = input_ids.to(self.device)
+        if meta.max_gather_rows:  # size the gather workspace once for the whole step
+            self.workspace.rows(meta.max_gather_rows, kv_pool.block_numel, self.dtype, self.device)
+
+        h = self.embed(input_ids)  # [T, H]
+        cos_sin = [r.cos_sin(meta.positions, self.dtype) for r in self.rotaries]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin, meta, kv_pool.kv[i], self.workspace, self.token_tile)
+            if on_layer is not None:
+                on_layer(i + 1)
+        if not all_logits:
+            h = h.index_select(0, meta.last_token_index)  # [num_seqs, H]
+        logits = F.linear(self.norm(h), self.lm_head_weight).float()  # [rows, V]
+        cap = cfg.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ----------------------------------------------------------------- weights
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """HF checkpoint tensor name -> the (slice of a) parameter it fills."""
+        t: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_weight,
+            "model.norm.weight": self.norm.weight,
+        }
+        if not self.config.tie_word_embeddings:
+            t["lm_head.weight"] = self.lm_head_weight
+        for i, layer in enumerate(self.layers):
+            t.update(layer.weight_targets(f"model.layers.{i}."))
+        return t
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from (HF name, tensor) pairs, casting to the model dtype.
+        Raises WeightLoadError naming the first missing, unexpected or misshapen tensor."""
+        targets = self.weight_targets()
+        missing = set(targets)
+        for name, tensor in self.convert_weights(tensors):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, stored by some old checkpoints
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head, as transformers does
+            target = targets.get(name)
+            if target is None:
+                raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise WeightLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise WeightLoadError(f"checkpoint lacks tensor {sorted(missing)[0]!r} ({len(missing)} missing)")
