@@ -75,6 +75,12 @@ def build_executor(
     loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
     mcfg = loaded.config
     max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+    if max_seq_len > mcfg.max_position_embeddings:
+        # Positions past the trained range give no error, only wrong text: refuse, as vLLM does.
+        raise ValueError(
+            f"max_seq_len ({max_seq_len}) is greater than the model's max_position_embeddings "
+            f"({mcfg.max_position_embeddings}, config.json)"
+        )
     B = config.tokens_per_block
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

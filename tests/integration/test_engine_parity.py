@@ -236,3 +236,10 @@ def test_bad_model_directory_is_a_clear_error(tmp_path, model):
     (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(ModelLoadError, match="GPT2"):
         LLM(broken)
+
+
+def test_max_seq_len_past_the_models_positions_is_refused(model):
+    _, path = model  # max_position_embeddings 256
+    with pytest.raises(ValueError, match=r"max_seq_len \(300\) is greater than the model's max_position_embeddings \(256"):
+        LLM(path, tokens_per_block=4, num_kv_blocks=16, max_seq_len=300)
+    assert LLM(path, tokens_per_block=4, num_kv_blocks=16, max_seq_len=256).engine.executor.max_seq_len == 256
