@@ -1,0 +1,220 @@
+"""Sparse mixture-of-experts MLP: a router picks k experts per token, each a gated MLP; the
+token's output is the weighted sum of its experts' outputs.
+
+API (other architectures reuse the parts separately):
+
+- ``SparseMoE(hidden_size, intermediate_size, num_experts, route=..., act=..., ...)``: an MLP
+  (``forward(x [T, H]) -> [T, H]``, ``weight_targets(prefix)``) holding every expert's weights
+  stacked: ``gate_up_weight`` [E, 2I, H] (rows: gate then up, as transformers fuses them),
+  ``down_weight`` [E, H, I], optional ``gate_up_bias`` [E, 2I] / ``down_bias`` [E, H], and the
+  router ``router_weight`` [E, H] with optional ``router_bias`` [E].
+- A routing function ``route(logits [T, E]) -> (topk_weights [T, k], topk_ids [T, k] int64)``.
+  ``softmax_topk`` covers Mixtral and Qwen3-MoE. A router with parameters of its own (DeepSeek's
+  ``e_score_correction_bias``) is an ``nn.Module`` whose ``forward`` is the routing function;
+  ``SparseMoE`` registers it as a submodule and adds its ``weight_targets(prefix + router_name
+  + ".")`` when it has one. Weights may be fp32 or the model dtype: each expert's output is
+  multiplied by them and then cast to the model dtype before summing (transformers' order).
+- An expert activation ``act(gate_up [t, 2I]) -> [t, I]``: ``silu_and_mul`` (default) or
+  ``gelu_tanh_and_mul`` for halves [gate | up]; gpt-oss passes its clamped SwiGLU over
+  interleaved columns.
+- ``grouped_experts(x, topk_weights, topk_ids, gate_up_weight, down_weight, act, ...)``: the
+  expert computation alone. The (token, expert) pairs are sorted by expert and each expert that
+  has tokens runs one GEMM pair over its contiguous slice; outputs are scattered back with
+  ``index_add_`` in ascending expert order. The Python loop is over active experts, never tokens.
+- Checkpoint names: ``weight_targets`` lists the hub format, one tensor per expert
+  (``experts.{e}.gate_proj.weight`` ...; ``ExpertNames`` renames them, e.g. Mixtral's w1/w3/w2),
+  each target a view of its expert's slice so a loader writes experts one at a time.
+  ``split_fused_experts`` turns transformers-5's fused tensors (``experts.gate_up_proj``
+  [E, 2I, H], ``experts.down_proj`` [E, H, I], optional ``_bias``) into those per-expert names.
+- ``moe_layer_indices``-style decisions (which layers are sparse) stay with the architecture.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import _empty
+
+RoutingFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ExpertActivation = Callable[[torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------- routing
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, *, renormalize: bool,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, then the top k; ``renormalize``: the k weights are
+    divided by their sum (Mixtral always, Qwen3-MoE when ``norm_topk_prob``). ``out_dtype``:
+    cast the weights (Qwen3-MoE casts them to the logits' dtype; Mixtral keeps fp32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if out_dtype is not None:
+        weights = weights.to(out_dtype)
+    return weights, ids
+
+
+# ----------------------------------------------------------------- activations
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [t, 2I] -> [t, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+ACTIVATIONS: dict[str, ExpertActivation] = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
+# ----------------------------------------------------------------- expert computation
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k] int
+    gate_up_weight: torch.Tensor,  # [E, 2I, H]
+    down_weight: torch.Tensor,  # [E, H, I]
+    act: ExpertActivation = silu_and_mul,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+) -> torch.Tensor:  # [T, H] in x.dtype
+    """sum_j w[t, j] * down_e(act(gate_up_e(x[t]))) over each token's experts e = ids[t, j]."""
+    T, k = topk_ids.shape
+    out = torch.zeros_like(x)
+    if T == 0:
+        return out
+    num_experts = gate_up_weight.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    # Stable: within an expert the pairs keep token order. Pair p is token p // k.
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # the one host sync
+    tokens = order // k
+    pair_weights = topk_weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start:start + n]
+        h = F.linear(x.index_select(0, rows), gate_up_weight[e],
+                     None if gate_up_bias is None else gate_up_bias[e])  # [n, 2I]
+        y = F.linear(act(h), down_weight[e], None if down_bias is None else down_bias[e])  # [n, H]
+        y = (y * pair_weights[start:start + n, None]).to(x.dtype)
+        out.index_add_(0, rows, y)
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------- the layer
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Per-expert checkpoint names under ``experts.{e}.`` (``.weight``/``.bias`` appended)."""
+
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+HF_EXPERT_NAMES = ExpertNames()
+MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
+
+
+class SparseMoE(nn.Module):
+    """Router + stacked experts; see the module docstring."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, *,
+        route: RoutingFn, act: ExpertActivation | str = "silu", router_bias: bool = False,
+        expert_bias: bool = False, names: ExpertNames = HF_EXPERT_NAMES, router_name: str = "gate",
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        if isinstance(act, str):
+            if act not in ACTIVATIONS:
+                raise ValueError(f"unsupported expert activation {act!r}")
+            act = ACTIVATIONS[act]
+        self.act = act
+        self.route = route  # an nn.Module router registers as a submodule (its parameters load)
+        self.hidden_size = hidden_size
+        self.intermediate = intermediate_size
+        self.num_experts = num_experts
+        self.names = names
+        self.router_name = router_name
+        E, I, H = num_experts, intermediate_size, hidden_size
+        self.router_weight = _empty((E, H), dtype, device)
+        self.router_bias = _empty((E,), dtype, device) if router_bias else None
+        self.gate_up_weight = _empty((E, 2 * I, H), dtype, device)
+        self.gate_up_bias = _empty((E, 2 * I), dtype, device) if expert_bias else None
+        self.down_weight = _empty((E, H, I), dtype, device)
+        self.down_bias = _empty((E, H), dtype, device) if expert_bias else None
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E], x.dtype
+        return F.linear(x, self.router_weight, self.router_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        weights, ids = self.route(self.router_logits(x))
+        return grouped_experts(x, weights, ids, self.gate_up_weight, self.down_weight, self.act,
+                               self.gate_up_bias, self.down_bias)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Hub names: ``{router_name}.weight`` (and ``.bias``), the router module's own
+        tensors, and per expert ``experts.{e}.{gate,up,down}.weight`` (and ``.bias``), each a
+        view of its expert's slice."""
+        I, n = self.intermediate, self.names
+        r = prefix + self.router_name + "."
+        t = {r + "weight": self.router_weight}
+        if self.router_bias is not None:
+            t[r + "bias"] = self.router_bias
+        if isinstance(self.route, nn.Module) and hasattr(self.route, "weight_targets"):
+            t.update(self.route.weight_targets(r))
+        for e in range(self.num_experts):
+            p = f"{prefix}experts.{e}."
+            t[f"{p}{n.gate}.weight"] = self.gate_up_weight[e, :I]
+            t[f"{p}{n.up}.weight"] = self.gate_up_weight[e, I:]
+            t[f"{p}{n.down}.weight"] = self.down_weight[e]
+            if self.gate_up_bias is not None:
+                t[f"{p}{n.gate}.bias"] = self.gate_up_bias[e, :I]
+                t[f"{p}{n.up}.bias"] = self.gate_up_bias[e, I:]
+                t[f"{p}{n.down}.bias"] = self.down_bias[e]
+        return t
+
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.)experts\.(?P<which>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+
+
+def split_fused_experts(
+    tensors: Iterable[tuple[str, torch.Tensor]], names: ExpertNames = HF_EXPERT_NAMES,
+    rename_prefix: Callable[[str], str] = lambda p: p,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass tensors through, except transformers-5's fused expert tensors (``...experts.
+    gate_up_proj`` [E, 2I, H], ``...experts.down_proj`` [E, H, I], and ``_bias`` [E, 2I] /
+    [E, H]), which become per-expert hub names as views (no copies). ``rename_prefix`` maps the
+    fused tensor's module prefix (``model.layers.0.mlp.``) to the one ``weight_targets`` uses
+    (Mixtral: ``block_sparse_moe.``)."""
+    for name, tensor in tensors:
+        m = _FUSED.match(name)
+        if m is None:
+            yield name, tensor
+            continue
+        p = rename_prefix(m["prefix"])
+        kind = "bias" if m["bias"] else "weight"
+        for e in range(tensor.shape[0]):
+            if m["which"] == "down_proj":
+                yield f"{p}experts.{e}.{names.down}.{kind}", tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                yield f"{p}experts.{e}.{names.gate}.{kind}", gate
+                yield f"{p}experts.{e}.{names.up}.{kind}", up
