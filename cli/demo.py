@@ -39,6 +39,26 @@ def dashboard_guide(url: str) -> str:
     ])
 
 
+def tiny_model_dir(arch: str):
+    """A tiny random model of ``arch`` the size of the built-in one (byte vocabulary, so the
+    demo's trace prompts fit), written once into pdserve's cache folder."""
+    from pathlib import Path
+
+    from pdserve.workers.tiny_model import make_tiny_model
+
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    path = root / f"demo-tiny-{arch}-h128-l4-v259"
+    if not (path / "model.safetensors").exists():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        make_tiny_model(tmp, arch=arch, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        vocab_size=259, max_position_embeddings=2048, seed=0)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process wrote it first; theirs is identical
+            pass
+    return path
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -84,7 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt", type=int, default=192)
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--keep-alive", action="store_true", help="leave the cluster up (Ctrl-C ends it)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--arch", default=None, metavar="ARCH",
+                       help="run a built-in tiny random model of this family instead (one of "
+                            "`pdserve make-tiny-model --arch`'s choices, e.g. qwen3_moe, deepseek_v3)")
+    which.add_argument("--model", default=None, help="run this model (a local directory or ORG/NAME)")
     args = parser.parse_args(argv)
+    model = args.model
+    if args.arch is not None:
+        from pdserve.workers.tiny_model import ARCHITECTURES
+
+        if args.arch not in ARCHITECTURES:
+            parser.error(f"--arch must be one of {', '.join(sorted(ARCHITECTURES))}, got {args.arch!r}")
+        model = str(tiny_model_dir(args.arch))
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
@@ -100,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     t0 = time.monotonic()
     owns = ensure_ray(num_cpus=max(4, os.cpu_count() or 1))
-    cfg = LaunchConfig(engine=DEMO_ENGINE, context_engine=DEMO_CTX_ENGINE, generation_engine=DEMO_GEN_ENGINE,
+    cfg = LaunchConfig(model=model, engine=DEMO_ENGINE, context_engine=DEMO_CTX_ENGINE, generation_engine=DEMO_GEN_ENGINE,
                        router=RouterConfig(port=0, http_port=0, agent_types=("AgentDeepResearch",),
                                            agent_percentage=0.5))
     cluster = launch(cfg)
@@ -134,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     tpot = [(r["timings"].e2e_ms - r["timings"].ttft_ms) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
     kv_bytes = sum(r["timings"].kv_transfer_bytes for r in ok)
     kv_ms = sum(r["timings"].kv_transfer_ms for r in ok)
-    table = Table(title="pdserve demo: 1 context + 1 generation worker, tiny model, gRPC router")
+    table = Table(title=f"pdserve demo: 1 context + 1 generation worker, {cluster.model_dir.name}, gRPC router")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("requests sent / completed / failed", f"{len(results)} / {len(ok)} / {len(results) - len(ok)}")
