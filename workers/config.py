@@ -9,6 +9,11 @@ from typing import Any, Mapping
 from pdserve.scheduler import CapacitySchedulerPolicy, ContextChunkingPolicy
 
 
+_DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
+                  "bfloat16": "bfloat16", "bf16": "bfloat16",
+                  "float16": "float16", "half": "float16", "fp16": "float16"}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_batch_size: int = 64
@@ -23,7 +28,9 @@ class EngineConfig:
     enable_prefix_aware_scheduling: bool = True
     max_input_len: int | None = None  # default: max_seq_len - 1
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # None or "auto": the checkpoint's bfloat16/float16 (config.json), else float32 on CPU and
+    # bfloat16 on CUDA (a float32 checkpoint runs as bfloat16 there, as in vLLM)
+    dtype: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
 
     def __post_init__(self) -> None:
@@ -47,8 +54,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype is not None:  # vLLM's spellings too; kept canonical for the workers
+            canonical = _DTYPE_ALIASES.get(str(self.dtype).lower())
+            if canonical is None:
+                raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            object.__setattr__(self, "dtype", canonical)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "EngineConfig":

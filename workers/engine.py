@@ -19,8 +19,11 @@ from pdserve.transport.requests import UpdateKind, WireUpdate
 from .config import EngineConfig
 
 from .executor import Executor
+from .hub import check_supported_options
 from .kv_pool import KVPool
-from .loader import LoadedModel, load_model, resolve_dtype
+from .loader import (LoadedModel, check_memory, checkpoint_bytes, load_config, load_model,
+                     resolve_dtype, resolve_model_dir, stored_dtype)
+from .model import ModelConfig
 from .sampling import SamplingLimits, SamplingParams
 from pdserve.transport.requests.sampling import bad_words_to_token_ids
 from .transceiver import KVTransceiver
@@ -62,17 +65,45 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
 
 
+def kv_pool_size(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV blocks, bytes per block) of a worker's pool: num_kv_blocks, else as many blocks as
+    kv_cache_memory_bytes holds, else a full batch of sequences within the default cap."""
+    B = config.tokens_per_block
+    per_block = KVPool.bytes_per_block_for(
+        mcfg.num_hidden_layers, B, mcfg.cache_heads, mcfg.cache_head_dim, dtype, mcfg.kv_planes,
+    )
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, per_block
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+        want = config.max_batch_size * -(-min(max_seq_len, _DEFAULT_TOKENS_PER_SEQ) // B)
+        budget = min(_DEFAULT_KV_MEMORY_CAP, want * per_block)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {per_block} bytes")
+    return num_blocks, per_block
+
+
 def build_executor(
     model: str | Path | LoadedModel,
     config: EngineConfig,
     *,
     transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
 ) -> tuple[LoadedModel, Executor]:
-    """Load the model, size and allocate the KV pool and build the executor (with a KV
-    transceiver for disaggregated workers)."""
+    """Load the model (a directory or a Hub repo id), size and allocate the KV pool and build
+    the executor (with a KV transceiver for disaggregated workers). Before any weight is read,
+    the weights and the pool are checked to fit the device's memory (``check_memory``)."""
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(config.dtype, device)
-    loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype, device=device)
+    if isinstance(model, LoadedModel):
+        loaded = model
+    else:
+        model_dir = resolve_model_dir(model)
+        mcfg = load_config(model_dir)
+        dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
+        blocks, per_block = kv_pool_size(config, mcfg, dtype)
+        check_memory(checkpoint_bytes(model_dir, dtype, mcfg), blocks * per_block, dtype, device)
+        loaded = load_model(model_dir, dtype=dtype, device=device)
     mcfg = loaded.config
     max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
     if max_seq_len > mcfg.max_position_embeddings:
@@ -82,20 +113,7 @@ def build_executor(
             f"({mcfg.max_position_embeddings}, config.json)"
         )
     B = config.tokens_per_block
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        per_block = KVPool.bytes_per_block_for(
-            mcfg.num_hidden_layers, B, mcfg.cache_heads, mcfg.cache_head_dim, loaded.model.dtype,
-            mcfg.kv_planes,
-        )
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
-            want = config.max_batch_size * -(-min(max_seq_len, _DEFAULT_TOKENS_PER_SEQ) // B)
-            budget = min(_DEFAULT_KV_MEMORY_CAP, want * per_block)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {per_block} bytes")
+    num_blocks, _ = kv_pool_size(config, mcfg, loaded.model.dtype)
     kv_pool = KVPool.for_model(mcfg, num_blocks, B, dtype=loaded.model.dtype, device=device)
     executor = Executor(
         loaded.model,
@@ -167,6 +185,11 @@ class _LazyGrammar:
 
 class LLMEngine:
     def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
+        # vLLM's model options pdserve does not implement: refused (ValueError), not ignored.
+        check_supported_options(model if not isinstance(model, LoadedModel) else None,
+                                revision=engine_config.pop("revision", None),
+                                tokenizer=engine_config.pop("tokenizer", None),
+                                trust_remote_code=engine_config.pop("trust_remote_code", False))
         self.config = EngineConfig.from_kwargs(engine_config)
         self.loaded, self.executor = build_executor(model, self.config)
         self.kv_pool = self.executor.kv_pool
