@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +160,130 @@ def test_hardware_spec_round_trips_through_json_with_infinite_rates():
     d = json.loads(json.dumps(hw.to_dict()))
     assert d["peak_flops"] is None
     assert HardwareSpec.from_dict(d) == hw
+
+
+# ---------------------------------------------------------------------------- MoE and MLA
+
+CONFIGS = Path(__file__).parent / "model_configs"  # published config.json files
+
+
+def _shape(name: str, **kw) -> ModelShape:
+    return ModelShape.from_hf_config(CONFIGS / f"{name}.json", dtype_bytes=2, **kw)
+
+
+def test_deepseek_v3_sizes():
+    """671B stored, ~37B per token (DeepSeek: 36.6B without the 0.9B input embedding), and a
+    576-wide latent per token and layer."""
+    ds = _shape("deepseek-v3")
+    assert ds.mla is not None and ds.moe is not None
+    assert ds.moe.num_moe_layers == 61 - 3 and ds.moe.shared_intermediate_size == 2048
+    assert ds.num_params == pytest.approx(671e9, rel=0.01)
+    assert ds.num_active_params == pytest.approx(37e9, rel=0.02)
+    assert ds.num_active_params - ds.hidden_size * ds.vocab_size == pytest.approx(36.6e9, rel=0.01)
+    assert ds.kv_bytes_per_token == 61 * 576 * 2 == 70_272
+    assert ds.cache_heads == 1
+    # q_a, q_b, kv_a (latent + rotary key), kv_b (latent -> K_nope and V per head), o.
+    assert ds.attention_params_per_layer == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576
+                                             + 512 * 128 * 256 + 128 * 128 * 7168)
+    # Absorbed attention: scores over 512 + 64, values over 512, per head and layer.
+    assert ds.attention_flops_per_query_key == 2 * 61 * 128 * (576 + 512)
+
+
+def test_mixtral_and_qwen3_moe_sizes():
+    mixtral = _shape("mixtral-8x7b")
+    assert mixtral.mla is None and mixtral.moe.num_moe_layers == 32
+    assert mixtral.num_params == pytest.approx(46.7e9, rel=0.01)
+    assert mixtral.num_active_params == pytest.approx(12.9e9, rel=0.01)
+    assert mixtral.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    qwen = _shape("qwen3-30b-a3b")
+    assert qwen.moe.num_experts == 128 and qwen.moe.top_k == 8 and qwen.moe.num_moe_layers == 48
+    assert qwen.num_params == pytest.approx(30.5e9, rel=0.01)  # Qwen3-30B-A3B: 30.5B, 3.3B active
+    assert qwen.num_active_params == pytest.approx(3.3e9, rel=0.02)
+    assert qwen.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+
+
+def test_dense_layers_of_each_moe_family():
+    base = dict(num_hidden_layers=8, hidden_size=64, num_attention_heads=4, intermediate_size=256,
+                moe_intermediate_size=32, num_experts_per_tok=2, vocab_size=100)
+    qwen = ModelShape.from_config_dict(dict(base, num_experts=16, decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert qwen.moe.num_moe_layers == 3  # layers 1, 5, 7 (3 is MLP-only)
+    deepseek = ModelShape.from_config_dict(dict(base, n_routed_experts=16, first_k_dense_replace=3,
+                                                n_shared_experts=2))
+    assert deepseek.moe.num_moe_layers == 5 and deepseek.moe.shared_intermediate_size == 64
+    gpt_oss = ModelShape.from_config_dict(dict(base, num_local_experts=16, experts_per_token=4,
+                                               num_experts_per_tok=None, moe_intermediate_size=None))
+    assert (gpt_oss.moe.num_moe_layers, gpt_oss.moe.top_k, gpt_oss.moe.expert_intermediate_size) == (8, 4, 256)
+    dense = ModelShape.from_config_dict(dict(base, num_experts=0))
+    assert dense.moe is None
+    # One MoE layer stores all experts and computes top_k; a dense layer the full MLP.
+    h = 64
+    per_moe_layer = h * 16 + 3 * h * 64 + 16 * 3 * h * 32
+    assert deepseek.num_params == 8 * deepseek.attention_params_per_layer + 3 * 3 * h * 256 \
+        + 5 * per_moe_layer + 2 * h * 100
+    assert deepseek.active_linear_params == 8 * deepseek.attention_params_per_layer + 3 * 3 * h * 256 \
+        + 5 * (per_moe_layer - 14 * 3 * h * 32)
+
+
+def test_expected_distinct_experts_under_uniform_routing():
+    moe = _shape("deepseek-v3").moe
+    assert moe.expected_experts(0) == 0.0
+    assert moe.expected_experts(1) == pytest.approx(8.0)
+    assert moe.expected_experts(32) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 32))
+    assert moe.expected_experts(4096) == pytest.approx(256.0)
+    counts = [moe.expected_experts(t) for t in (1, 2, 8, 64, 512)]
+    assert counts == sorted(counts)
+    # Monte Carlo: top-8 of 256 without replacement, 20 tokens.
+    rng = random.Random(0)
+    trials = [len({e for _ in range(20) for e in rng.sample(range(256), 8)}) for _ in range(2000)]
+    assert sum(trials) / len(trials) == pytest.approx(moe.expected_experts(20), rel=0.01)
+
+
+def test_moe_step_reads_the_experts_its_tokens_touch():
+    ds = _shape("deepseek-v3", weight_dtype_bytes=1)
+    cost = CostModel(ds, GPU_PRESETS["H200"], tp=8)
+    one = [SeqWork(1, 0, True)]
+    # One token reads exactly its active weights (LM head included, embedding gathered).
+    active_read = (ds.active_linear_params + ds.hidden_size * ds.vocab_size) * 1
+    assert ds.step_weight_bytes(1) == pytest.approx(active_read)
+    assert cost.step_bytes(one) == pytest.approx(active_read / 8 + 2 * ds.kv_bytes_per_token)
+    # A big batch reads (nearly) every expert; never more than all the weights.
+    assert ds.step_weight_bytes(8192) == pytest.approx(ds.streamed_weight_bytes, rel=1e-6)
+    assert ds.step_weight_bytes(64) < ds.step_weight_bytes(256) < ds.streamed_weight_bytes
+    # FLOPs: two per active parameter per token, whatever the batch touches.
+    decode = [SeqWork(1, 0, False)] * 64
+    assert cost.step_flops(decode) == pytest.approx(64 * (2 * ds.active_linear_params + ds.attention_flops_per_query_key))
+    # Decode is memory bound and grows sublinearly with the batch until the experts saturate.
+    t1, t64 = cost.step_time([SeqWork(1, 1000, True)]), cost.step_time([SeqWork(1, 1000, True)] * 64)
+    assert t1 < t64 < 64 * t1
+
+
+def test_mla_latent_is_whole_on_every_device_of_a_tp_group():
+    ds = _shape("deepseek-v3", weight_dtype_bytes=1)
+    one, eight = CostModel(ds, GPU_PRESETS["H200"], 1), CostModel(ds, GPU_PRESETS["H200"], 8)
+    assert (one.kv_shards, eight.kv_shards) == (1, 1)
+    long_decode = [SeqWork(1, 100_000, True)]
+    kv = (100_000 + 2) * ds.kv_bytes_per_token
+    assert eight.step_bytes(long_decode) == pytest.approx(ds.step_weight_bytes(1) / 8 + kv)
+    # The pool per device: memory left after a device's share of the weights, over a whole block.
+    free = 141e9 * 0.9 - ds.weight_bytes / 8
+    assert eight.num_kv_blocks(32) == int(free // (32 * ds.kv_bytes_per_token))
+    # A GQA cache splits by KV head, at most over its KV heads.
+    assert CostModel(L70, GPU_PRESETS["H100"], 4).kv_shards == 4
+    assert CostModel(L70, GPU_PRESETS["H100"], 16).kv_shards == 8
+
+
+def test_benchmarks_doc_sizing_table_is_what_the_command_prints(capsys):
+    """docs/benchmarks.md shows a DeepSeek-V3 sizing table under the command that prints it."""
+    import shlex
+
+    from pdserve.bench.model_sizing import main
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    joined = re.sub(r"\\\n\s*", " ", doc)  # shell continuation lines
+    lines = [line.strip() for line in joined.splitlines() if "bench/model_sizing.py --config" in line]
+    assert lines, "docs/benchmarks.md runs no bench/model_sizing.py"
+    for line in lines:
+        words = shlex.split(line)
+        assert main(words[words.index("bench/model_sizing.py") + 1:]) == 0
+        printed = capsys.readouterr().out.strip()
+        assert printed in doc, f"docs/benchmarks.md is not what `{line}` prints now:\n{printed}"
