@@ -26,7 +26,11 @@ API (other architectures reuse the parts separately):
   each target a view of its expert's slice so a loader writes experts one at a time.
   ``split_fused_experts`` turns transformers-5's fused tensors (``experts.gate_up_proj``
   [E, 2I, H], ``experts.down_proj`` [E, H, I], optional ``_bias``) into those per-expert names.
-- ``moe_layer_indices``-style decisions (which layers are sparse) stay with the architecture.
+- Shared experts (DeepSeek's ``n_shared_experts``): pass any MLP (a ``GatedMLP``) as
+  ``shared_experts``; every token goes through it and its output is added to the routed sum.
+  Its checkpoint names sit under ``prefix + "shared_experts."``.
+- ``MoeConfig``: the ``ModelConfig`` fields Mixtral and Qwen3-MoE add (``sparse_layers`` says
+  per layer whether its MLP is the MoE or a dense ``GatedMLP`` of ``intermediate_size``).
 """
 from __future__ import annotations
 
@@ -38,10 +42,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ModelConfig
 from .layers import _empty
 
 RoutingFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ExpertActivation = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig(ModelConfig):
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's gated MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1
+    sparse_layers: tuple[bool, ...] = ()  # per layer: MoE MLP (True) or dense GatedMLP (False)
 
 
 # ----------------------------------------------------------------- routing
@@ -139,7 +153,7 @@ class SparseMoE(nn.Module):
         self, hidden_size: int, intermediate_size: int, num_experts: int, *,
         route: RoutingFn, act: ExpertActivation | str = "silu", router_bias: bool = False,
         expert_bias: bool = False, names: ExpertNames = HF_EXPERT_NAMES, router_name: str = "gate",
-        dtype: torch.dtype, device: torch.device | str,
+        shared_experts: nn.Module | None = None, dtype: torch.dtype, device: torch.device | str,
     ) -> None:
         super().__init__()
         if isinstance(act, str):
@@ -160,14 +174,18 @@ class SparseMoE(nn.Module):
         self.gate_up_bias = _empty((E, 2 * I), dtype, device) if expert_bias else None
         self.down_weight = _empty((E, H, I), dtype, device)
         self.down_bias = _empty((E, H), dtype, device) if expert_bias else None
+        self.shared_experts = shared_experts
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E], x.dtype
         return F.linear(x, self.router_weight, self.router_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.route(self.router_logits(x))
-        return grouped_experts(x, weights, ids, self.gate_up_weight, self.down_weight, self.act,
-                               self.gate_up_bias, self.down_bias)
+        out = grouped_experts(x, weights, ids, self.gate_up_weight, self.down_weight, self.act,
+                              self.gate_up_bias, self.down_bias)
+        if self.shared_experts is not None:
+            out.add_(self.shared_experts(x))
+        return out
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hub names: ``{router_name}.weight`` (and ``.bias``), the router module's own
@@ -180,6 +198,8 @@ class SparseMoE(nn.Module):
             t[r + "bias"] = self.router_bias
         if isinstance(self.route, nn.Module) and hasattr(self.route, "weight_targets"):
             t.update(self.route.weight_targets(r))
+        if self.shared_experts is not None:
+            t.update(self.shared_experts.weight_targets(prefix + "shared_experts."))
         for e in range(self.num_experts):
             p = f"{prefix}experts.{e}."
             t[f"{p}{n.gate}.weight"] = self.gate_up_weight[e, :I]

@@ -24,7 +24,7 @@ class Architecture:
 
 
 def _architectures() -> dict[str, Architecture]:
-    from . import llama, qwen3
+    from . import llama, mixtral, qwen3, qwen3_moe
 
     archs = [
         Architecture("LlamaForCausalLM", "llama", llama.parse_llama, llama.LlamaForCausalLM,
@@ -37,6 +37,13 @@ def _architectures() -> dict[str, Architecture]:
         Architecture("Qwen3ForCausalLM", "qwen3", qwen3.parse_qwen3, qwen3.Qwen3ForCausalLM,
                      lambda b: {"attention_bias": False, "use_sliding_window": False,
                                 "sliding_window": None, "max_window_layers": b["num_hidden_layers"]}),
+        Architecture("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_qwen3_moe, qwen3_moe.Qwen3MoeForCausalLM,
+                     lambda b: {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                                "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                "moe_intermediate_size": b["hidden_size"] // 2, "decoder_sparse_step": 1,
+                                "mlp_only_layers": []}),
+        Architecture("MixtralForCausalLM", "mixtral", mixtral.parse_mixtral, mixtral.MixtralForCausalLM,
+                     lambda b: {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}),
     ]
     return {a.name: a for a in archs}
 
