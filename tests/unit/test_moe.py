@@ -101,3 +101,34 @@ def test_sparse_moe_targets_and_fused_names():
     x = torch.randn(9, H)
     w, ids = softmax_topk(F.linear(x, moe.router_weight), K, renormalize=True)
     torch.testing.assert_close(moe(x), naive(x, w, ids, gate_up, down, silu_and_mul))
+
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+             "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_qwen3_moe_sparse_layers_and_refusals():
+    from pdserve.workers.model import ModelConfig, ModelConfigError
+
+    cfg = ModelConfig.from_hf_dict({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert cfg.sparse_layers == (False, True, False, False) and cfg.norm_topk_prob is False
+    # transformers 5 saves num_experts as num_local_experts.
+    cfg = ModelConfig.from_hf_dict({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"},
+                                    "num_local_experts": 4, "norm_topk_prob": True})
+    assert cfg.num_experts == 4 and all(cfg.sparse_layers) and cfg.norm_topk_prob
+    for bad, match in [({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+                       ({"moe_intermediate_size": None}, "moe_intermediate_size"),
+                       ({"mlp_only_layers": [0], "intermediate_size": None}, "intermediate_size"),
+                       ({"hidden_act": "relu"}, "hidden_act")]:
+        with pytest.raises(ModelConfigError, match=match):
+            ModelConfig.from_hf_dict({**QWEN3_MOE, **bad})
+
+
+def test_mixtral_config():
+    from pdserve.workers.model import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                                    "num_local_experts": 8, "num_experts": None, "sliding_window": 16})
+    assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 128, True)
+    assert cfg.layer_windows == (16,) * 4 and all(cfg.sparse_layers)
