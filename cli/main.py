@@ -40,7 +40,16 @@ def _engine_fields():
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="local HF-format model directory (default: built-in tiny model)")
+    parser.add_argument("--model", help="local HF-format model directory, or a Hugging Face Hub "
+                                         "repo id ORG/NAME (from the Hub cache, downloaded unless "
+                                         "HF_HUB_OFFLINE=1; default: the built-in tiny model)")
+    # vLLM's model options pdserve does not implement: accepted only to be refused with a reason.
+    parser.add_argument("--revision", default=None, help="refused: pdserve serves the Hub "
+                        "cache's main revision; download another into a directory instead")
+    parser.add_argument("--tokenizer", default=None, help="refused unless it is the model "
+                        "itself: pdserve uses the model's own tokenizer.json")
+    parser.add_argument("--trust-remote-code", action="store_true", default=False,
+                        help="refused: pdserve runs no code from model repos")
     parser.add_argument("--address", help="join this Ray cluster (e.g. auto); default: embedded local cluster")
     parser.add_argument("--num-context-workers", type=int, default=None)
     parser.add_argument("--num-generation-workers", type=int, default=None)
@@ -112,7 +121,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.type in ("int", "int | None"):
             group.add_argument(flag, type=int)
         else:
-            group.add_argument(flag)
+            group.add_argument(flag, help=ENGINE_FLAG_HELP.get(f.name))
+
+
+ENGINE_FLAG_HELP = {
+    "dtype": "auto (the default: the checkpoint's bfloat16 or float16 as stored; float32 "
+             "checkpoints run as float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
+}
 
 
 def _resources_flag(flag: str):
@@ -191,9 +206,23 @@ def _launch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdserve launch", description="Serve a model with P/D disaggregation on Ray.")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
+    from pdserve.workers.hub import UnsupportedOption, check_supported_options
+
+    try:
+        check_supported_options(args.model, revision=args.revision, tokenizer=args.tokenizer,
+                                trust_remote_code=args.trust_remote_code)
+    except UnsupportedOption as exc:
+        parser.error(exc.flag_message)
     try:
         cfg = launch_config_from_args(args)
     except ValueError as exc:  # SecurityConfigError and the configs' own checks name the field
+        print(f"pdserve launch: {exc}", file=sys.stderr)
+        return 2
+    try:  # a Hub model is found (or downloaded) before anything starts
+        from pdserve.cluster.launch import launch_model
+
+        launch_model(cfg.model)
+    except ValueError as exc:  # hub.ModelResolveError: the id and the cache it looked in
         print(f"pdserve launch: {exc}", file=sys.stderr)
         return 2
     for warning in _security_warnings(cfg.router):
@@ -219,7 +248,9 @@ def _launch(argv: list[str]) -> int:
     dashboard = ray.get_runtime_context().dashboard_url if hasattr(ray.get_runtime_context(), "dashboard_url") else None
     http = f"{cfg.router.http_host}:{cluster.http_port}" if cluster.http_port is not None else None
     print(json.dumps({"grpc": f"{cfg.router.host}:{cluster.port}", "http": http, "workers": sorted(cluster.workers),
-                      "dashboard": dashboard or _dashboard_url(), "model": str(cluster.model_dir),
+                      "dashboard": dashboard or _dashboard_url(),
+                      "model": cluster.model_name or str(cluster.model_dir),
+                      "model_dir": str(cluster.model_dir),
                       "ray_address": ray.get_runtime_context().gcs_address,
                       "security": _security_summary(cfg.router)}), flush=True)
     url = dashboard or _dashboard_url()

@@ -33,7 +33,7 @@ READY_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str | None = None  # local HF-format directory; None: the built-in tiny model
+    model: str | None = None  # local HF-format directory or Hub repo id; None: the built-in tiny model
     num_context_workers: int = 1
     num_generation_workers: int = 1
     engine: dict[str, Any] = field(default_factory=dict)  # engine kwargs for every worker
@@ -94,6 +94,24 @@ def builtin_model_dir() -> Path:
 
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     return write_builtin_model(root / BUILTIN_MODEL_NAME)
+
+
+def launch_model(model: str | None) -> tuple[Path, str, str | None]:
+    """(the model directory on this node, what each worker is given, the commit it pins).
+    A local directory, or a path that looks like none of the Hub's names, goes to the workers as
+    it is (each checks it on its node). A Hub repo id (``ORG/NAME``) is resolved here, through
+    this node's Hugging Face cache (downloading unless HF_HUB_OFFLINE=1), for the router; the
+    workers get the name and the commit found here, and resolve it from their own node's cache,
+    so every worker loads the same snapshot. Raises ``hub.ModelResolveError``."""
+    from pdserve.workers.hub import is_repo_id, resolve_model
+
+    if model is None:
+        path = builtin_model_dir()
+        return path, str(path), None
+    if Path(model).expanduser().is_dir() or not is_repo_id(model.partition("@")[0]):
+        return Path(model), model, None
+    resolved = resolve_model(model)
+    return resolved.path, model, resolved.commit
 
 
 class RayJoinError(RuntimeError):
@@ -286,6 +304,7 @@ class Cluster:
     http_port: int | None = None  # the OpenAI-compatible front door, when launched with one
     router_config: Any = None  # the RouterConfig it was launched with (restart_router reuses it)
     metrics: bool = True
+    model_name: str | None = None  # the model as given (a Hub repo id, or the directory)
 
     def restart_router(self, *, kill: bool = True) -> int:
         """Replace the router: kill it (as a crash would, when ``kill``) and start a new one on
@@ -339,6 +358,16 @@ WORKER_ENV = {
     # grew). With two arenas: 453 MiB after the same 24,000 (bench/worker_memory.py).
     "MALLOC_ARENA_MAX": "2",
 }
+# Where a worker finds a model named by Hub repo id: this process's settings travel to the
+# workers (on a joined cluster they would otherwise have those `ray start` had). Tokens do not:
+# a runtime env is shown on the dashboard; each node logs in (or sets HF_TOKEN) itself.
+HUB_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE",
+                "HUGGINGFACE_HUB_CACHE", "HF_ENDPOINT")
+
+
+def worker_env() -> dict[str, str]:
+    """The worker actors' environment: WORKER_ENV plus the Hub settings set here."""
+    return {**WORKER_ENV, **{k: os.environ[k] for k in HUB_ENV_VARS if os.environ.get(k)}}
 
 
 class LaunchError(RuntimeError):
@@ -415,7 +444,11 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     from pdserve.workers.context_worker import ContextWorker
     from pdserve.workers.generation_worker import GenerationWorker
 
-    model_dir = Path(cfg.model) if cfg.model else builtin_model_dir()
+    model_dir, worker_model, model_commit = launch_model(cfg.model)
+    router_cfg = cfg.router
+    if model_commit is not None and router_cfg.served_model_name is None:
+        # vLLM serves a Hub model under the name it was given, not its snapshot folder's
+        router_cfg = dataclasses.replace(router_cfg, served_model_name=cfg.model)
     use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
     roles = [("ctx", i, ContextWorker, cfg.context_engine, cfg.context_resources)
              for i in range(cfg.num_context_workers)]
@@ -452,7 +485,7 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
         options = dict(
             name=actor_name(worker_id), namespace=NAMESPACE, max_restarts=cfg.max_restarts,
             max_task_retries=0,
-            runtime_env={"env_vars": WORKER_ENV},
+            runtime_env={"env_vars": worker_env()},
             max_concurrency=256, num_cpus=base["CPU"], num_gpus=base.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
@@ -460,17 +493,18 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
                       torch_threads=cfg.torch_threads,
                       metrics=WorkerMetrics if cfg.metrics else None,
                       connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link,
-                      builtin_model=cfg.model is None)
+                      builtin_model=cfg.model is None, model_commit=model_commit)
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
-        workers[worker_id] = cls.options(**options).remote(worker_id, str(model_dir), engine, **kwargs)
+        workers[worker_id] = cls.options(**options).remote(worker_id, worker_model, engine, **kwargs)
         created[actor_name(worker_id)] = workers[worker_id]
-    router, port, http_port = _start_router(cfg.router, workers, model_dir, cfg.metrics,
+    router, port, http_port = _start_router(router_cfg, workers, model_dir, cfg.metrics,
                                             created=created)
     log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d%s",
              cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port,
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
-    return Cluster(router, workers, port, model_dir, pg, http_port, cfg.router, cfg.metrics)
+    return Cluster(router, workers, port, model_dir, pg, http_port, router_cfg, cfg.metrics,
+                   model_name=cfg.model or str(model_dir))
 
 
 def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,

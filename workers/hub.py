@@ -86,32 +86,51 @@ def hub_offline() -> bool:
     return value.strip().upper() in _TRUE
 
 
+class UnsupportedOption(ValueError):
+    """A vLLM model option pdserve does not implement. ``option`` is its Python name; the
+    message spells it as the Python API does, ``flag_message`` as the command line does."""
+
+    def __init__(self, option: str, value: Any, reason: str) -> None:
+        self.option, self.value, self.reason = option, value, reason
+        super().__init__(f"{option}={value!r} is not supported: {reason}")
+
+    @property
+    def flag_message(self) -> str:
+        flag = "--" + self.option.replace("_", "-")
+        shown = "" if self.value is True else f" {self.value}"
+        return f"{flag}{shown} is not supported: {self.reason}"
+
+
 def check_supported_options(model: str | os.PathLike | None = None, *, revision: str | None = None,
                             tokenizer: str | os.PathLike | None = None,
                             trust_remote_code: bool = False) -> None:
-    """Refuse the vLLM model options pdserve does not implement, rather than ignore them.
-    ``tokenizer`` equal to the model is what vLLM does by default, so it passes."""
+    """Refuse the vLLM model options pdserve does not implement (``UnsupportedOption``), rather
+    than ignore them. A ``tokenizer`` that is the model itself is vLLM's default, so it passes."""
     if revision is not None:
-        raise ValueError(
-            f"revision {revision!r}: pdserve loads the revision the Hub cache's refs/main names "
-            "(or downloads main); to serve another revision, download it into a directory (e.g. "
-            "`hf download ORG/NAME --revision REV --local-dir DIR`) and pass that directory as "
-            "the model")
-    if tokenizer is not None and model is not None and str(tokenizer) != str(model):
-        same_dir = Path(tokenizer).is_dir() and Path(model).is_dir() and \
-            Path(tokenizer).resolve() == Path(model).resolve()
-        if not same_dir:
-            raise ValueError(
-                f"tokenizer {str(tokenizer)!r}: pdserve uses the model's own tokenizer.json "
-                f"(of {str(model)!r}); a separate tokenizer is not supported: put the tokenizer "
-                "files into the model directory instead")
-    elif tokenizer is not None and model is None:
-        raise ValueError(f"tokenizer {str(tokenizer)!r}: pdserve uses the model's own "
-                         "tokenizer.json; a separate tokenizer is not supported")
+        raise UnsupportedOption(
+            "revision", revision,
+            "pdserve loads the revision the Hugging Face cache's refs/main names (or downloads "
+            "main); to serve another, download it into a directory (`hf download ORG/NAME "
+            "--revision REV --local-dir DIR`) and pass that directory as the model")
+    if tokenizer is not None and not _same_model(tokenizer, model):
+        raise UnsupportedOption(
+            "tokenizer", os.fspath(tokenizer),
+            "pdserve uses the model's own tokenizer.json; put the tokenizer's files into the "
+            "model directory instead")
     if trust_remote_code:
-        raise ValueError(
-            "trust_remote_code: pdserve never runs code from a model repo; it serves the "
-            f"architectures it implements ({_architectures()}) from config.json and safetensors")
+        raise UnsupportedOption(
+            "trust_remote_code", True,
+            "pdserve runs no code from model repos; it serves the architectures it implements "
+            f"({_architectures()}) from config.json and safetensors")
+
+
+def _same_model(tokenizer: str | os.PathLike, model: str | os.PathLike | None) -> bool:
+    if model is None:
+        return False
+    if os.fspath(tokenizer) == os.fspath(model):
+        return True
+    a, b = Path(tokenizer).expanduser(), Path(model).expanduser()
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
 
 
 def _architectures() -> str:
@@ -135,7 +154,7 @@ def resolve_model(model: str | os.PathLike, *, commit: str | None = None,
         return ResolvedModel(text, local)
     repo, sep, rev = text.partition("@")
     if sep and is_repo_id(repo):
-        check_supported_options(repo, revision=rev)  # raises: ORG/NAME@REV is --revision
+        check_supported_options(repo, revision=rev)  # ORG/NAME@REV is a revision: refused
     if not is_repo_id(text):
         raise ModelResolveError(f"model directory {text} does not exist (nor is {text!r} a "
                                 "Hugging Face repo id, ORG/NAME)")

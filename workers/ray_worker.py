@@ -92,7 +92,7 @@ class RayWorker:
                  torch_threads: int | None = None,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
                  connect_timeout_s: float = 30.0, kv_link: bool = True,
-                 builtin_model: bool = False) -> None:
+                 builtin_model: bool = False, model_commit: str | None = None) -> None:
         import ray
         import torch
 
@@ -109,6 +109,15 @@ class RayWorker:
             from .tiny_model import write_builtin_model
 
             write_builtin_model(model_dir)
+        if model_commit is not None and not Path(model_dir).is_dir():
+            # A Hub repo id: this node's own cache (or a download), at the launch node's commit.
+            from .hub import ModelResolveError, resolve_model
+
+            try:
+                model_dir = str(resolve_model(model_dir, commit=model_commit).path)
+            except ModelResolveError as exc:
+                raise ModelDirMissing(f"{worker_id} on node {self.node_id} ({self.node_ip}): "
+                                      f"{exc}") from None
         if not Path(model_dir).is_dir():
             raise ModelDirMissing(
                 f"{worker_id}: the model directory {model_dir} does not exist on node "
