@@ -6,7 +6,8 @@ block mover, the header tensor, and the client end of a context worker's rendezv
 Pair protocol, per op ``seq`` of a group (both sides run ops in seq order):
   ctx -> gen  header int64[HEADER_LEN] (tag seq/0), always, even for a refused or cancelled op
   ctx -> gen  payload chunk i (tag seq/i+1): raw bytes [planes, blocks, block bytes] of one
-              rectangle of (layer, K/V) planes x transfer blocks (``protocol.plan_chunks``)
+              rectangle of (layer, plane) planes x transfer blocks (``protocol.plan_chunks``);
+              a pool has 2 planes per layer (K, V) or 1 (MLA's latent): ``wire_planes``
 Chunks are pipelined: the gather (ctx) or scatter (gen) of one chunk through a ring of reused
 staging buffers overlaps the send/recv of its neighbours (torch ops and gloo I/O release the
 GIL). A single-plane chunk whose block ids are consecutive on a side is a contiguous slice of that
@@ -57,7 +58,19 @@ class TransportConfig:
 
 def layout_of(pool: KVPool) -> KVLayout:
     return KVLayout(str(pool.dtype).removeprefix("torch."), pool.bytes_per_block,
-                    (pool.num_layers, pool.tokens_per_block, pool.num_kv_heads, pool.head_dim))
+                    (pool.num_layers, pool.tokens_per_block, pool.num_kv_heads, pool.head_dim),
+                    pool.num_planes)
+
+
+def wire_planes(pool: KVPool) -> int:
+    """How many (layer, plane) planes a transfer's payload has: the pool's planes per layer
+    (2 for K and V, 1 for an MLA latent) times its layers."""
+    return pool.num_planes * pool.num_layers
+
+
+def plane_block_bytes(pool: KVPool) -> int:
+    """Bytes of one block of one (layer, plane) plane: one row of the payload."""
+    return pool.bytes_per_block // wire_planes(pool)
 
 
 def as_timedelta(seconds: float) -> datetime.timedelta:
@@ -277,18 +290,18 @@ class StagingRing:
 
 class BlockMover:
     """Moves one transfer's chunks between the pool and the wire. The pool is viewed as rows
-    [2 * layers * num_blocks, block_numel] (row p * num_blocks + b = block b of plane p), so a
-    single-plane chunk over consecutive block ids is one contiguous slice: it is sent from (or
-    received into) the pool itself. Other chunks go through a staging buffer."""
+    [wire_planes * num_blocks, block_numel] (row p * num_blocks + b = block b of (layer, plane)
+    plane p), so a single-plane chunk over consecutive block ids is one contiguous slice: it is
+    sent from (or received into) the pool itself. Other chunks go through a staging buffer."""
 
     def __init__(self, pool: KVPool, block_ids: tuple[int, ...], chunk_planes: int,
                  chunk_blocks: int, buffers: StagingRing) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= pool.num_blocks):
             raise IndexError(f"block id out of range [0, {pool.num_blocks})")
         self.nb = pool.num_blocks
-        self.num_planes = 2 * pool.num_layers
+        self.num_planes = wire_planes(pool)  # (layer, plane) planes, not planes per layer
         self.rows = pool.kv.view(self.num_planes * self.nb, -1)  # [planes * blocks, block_numel]
-        self.row_bytes = pool.bytes_per_block // self.num_planes
+        self.row_bytes = plane_block_bytes(pool)
         self.ids = block_ids
         self.buffers = buffers
         self.ids_t = buffers.ids(block_ids)

@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from ..workers.kv_pool import KVPool
 from .kv_groups import (
     GEN_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
-    TransportConfig, connect_store, failure_reason, incarnation_of, layout_of,
-    probe_store, run_abandonable,
+    TransportConfig, connect_store, failure_reason, incarnation_of, layout_of, probe_store,
+    run_abandonable, wire_planes,
 )
 from .kv_link import LINK_KEY, KvLink, parse_published
 from .protocol import (
@@ -492,7 +492,7 @@ class _ReceiverPair:
     def _check(self, h: WireHeader, d: TransferDescriptor) -> None:
         if (h.seq, h.transfer_id, h.ctx_request_id) != (d.seq, d.transfer_id, d.ctx_request_id):
             raise ProtocolError(f"header {h} does not belong to transfer {d.transfer_id}")
-        planes = 2 * self.owner.pool.num_layers
+        planes = wire_planes(self.owner.pool)
         if h.status == WireStatus.OK and d.num_blocks > 0 and (
             h.num_blocks != d.num_blocks or h.bytes_per_block != d.bytes_per_block
             or not 1 <= h.chunk_planes <= planes or not 1 <= h.chunk_blocks <= d.num_blocks
@@ -508,7 +508,7 @@ class _ReceiverPair:
         chunks = mover.chunks
         if land and len(set(d.gen_block_ids)) != len(d.gen_block_ids):
             raise ValueError("duplicate generation block ids")
-        arrivals = LayerArrivals(chunks, self.owner.pool.num_layers)
+        arrivals = LayerArrivals(chunks, self.owner.pool.num_layers, self.owner.pool.num_planes)
         bufs = self.staging.get(mover.staging_bytes) if chunks else []
         free = deque(range(len(bufs)))
         posted: deque[tuple[int, dist.Work, int | None]] = deque()

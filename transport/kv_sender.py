@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from ..workers.kv_pool import KVPool
 from .kv_groups import (
     CTX_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
-    TransportConfig, as_timedelta, failure_reason, layout_of,
+    TransportConfig, as_timedelta, failure_reason, layout_of, plane_block_bytes, wire_planes,
 )
 from .protocol import (
     CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
@@ -299,11 +299,11 @@ class _SenderPair:
                 status, reason = WireStatus.OK, ""
                 runs = max(consecutive_fraction(d.ctx_block_ids),
                            consecutive_fraction(d.gen_block_ids)) >= RUNS_THRESHOLD
-                planes, blocks = choose_chunking(2 * pool.num_layers, d.num_blocks,
-                                                 pool.bytes_per_block // (2 * pool.num_layers),
+                planes, blocks = choose_chunking(wire_planes(pool), d.num_blocks,
+                                                 plane_block_bytes(pool),
                                                  self.owner.config.chunk_bytes, runs=runs)
                 if d.stream:
-                    planes = layer_aligned(planes)
+                    planes = layer_aligned(planes, pool.num_planes)
             else:
                 status = WireStatus.REJECTED if d is None else WireStatus.CANCELLED
                 reason = op.reason or "cancelled or past its deadline before the send"
@@ -375,7 +375,8 @@ class _SenderPair:
                 free.append(slot)
 
         for i, c in enumerate(mover.chunks):
-            if progress is not None and not progress.wait_layer(chunk_layer(c), deadline):
+            if progress is not None and not progress.wait_layer(
+                    chunk_layer(c, self.owner.pool.num_planes), deadline):
                 progress = None
             src, slot = mover.direct(c), None
             if src is None:

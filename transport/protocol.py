@@ -31,8 +31,28 @@ class KVLayout:
     """What must match on both sides for blocks to be copied byte for byte."""
 
     dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", "float16"
-    bytes_per_block: int  # one block id across all layers, K and V
+    bytes_per_block: int  # one block id across all layers and planes
     kv_shape: tuple[int, int, int, int]  # (num_layers, tokens_per_block, num_kv_heads, head_dim)
+    # Cache planes per layer: 2 (K and V) or 1 (MLA's compressed latent). Part of the layout,
+    # not implied by the size: a latent pool and a K+V pool of half its width have the same
+    # bytes per block, yet their rows mean different things.
+    num_planes: int = 2
+
+    def mismatch(self, other: KVLayout) -> str:
+        """What differs from ``other``: "" when its blocks copy into ours byte for byte."""
+        diffs = []
+        if self.num_planes != other.num_planes:
+            diffs.append(f"planes per layer {plane_names(self.num_planes)} vs "
+                         f"{plane_names(other.num_planes)}")
+        for name in ("dtype", "kv_shape", "bytes_per_block"):
+            ours, theirs = getattr(self, name), getattr(other, name)
+            if ours != theirs:
+                diffs.append(f"{name} {ours} vs {theirs}")
+        return "; ".join(diffs)
+
+
+def plane_names(num_planes: int) -> str:
+    return {1: "1 (MLA latent)", 2: "2 (K and V)"}.get(num_planes, str(num_planes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,12 +138,15 @@ class KVRequest:
     kv_shape: tuple[int, int, int, int]
     timeout_s: float
     stream: bool = False  # layer-wise: payload by layer, then a trailer (TransferDescriptor)
+    num_planes: int = 2  # KVLayout.num_planes; a peer that predates the field has K and V
 
     def __post_init__(self) -> None:
         if self.num_blocks != len(self.gen_block_ids):
             raise ProtocolError("num_blocks differs from len(gen_block_ids)")
         if min(self.num_blocks, self.num_cached_blocks, self.seq, self.bytes_per_block) < 0:
             raise ProtocolError("negative count in kv_request")
+        if self.num_planes < 1:
+            raise ProtocolError("kv_request num_planes must be >= 1")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ProtocolError("kv_request timeout_s must be positive and finite")
 
@@ -132,8 +155,13 @@ class KVRequest:
         return cls(
             d.transfer_id, d.seq, d.group, d.gen_worker_id, d.ctx_request_id, d.gen_request_id,
             d.num_blocks, d.num_cached_blocks, d.gen_block_ids, d.layout.dtype,
-            d.layout.bytes_per_block, d.layout.kv_shape, timeout_s, d.stream,
+            d.layout.bytes_per_block, d.layout.kv_shape, timeout_s, d.stream, d.layout.num_planes,
         )
+
+    @property
+    def layout(self) -> KVLayout:
+        """The layout of the generation side's pool, as the request describes it."""
+        return KVLayout(self.dtype, self.bytes_per_block, self.kv_shape, self.num_planes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +219,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
         "ctx_request_id": _INT, "gen_request_id": _INT, "num_blocks": _INT,
         "num_cached_blocks": _INT, "gen_block_ids": _INTS, "dtype": _STR,
         "bytes_per_block": _INT, "kv_shape": _SHAPE, "timeout_s": _FLOAT, "stream": _BOOL,
+        "num_planes": _INT,
     }),
     "done": (TransferDone, {
         "transfer_id": _INT, "ctx_request_id": _INT, "ok": _BOOL, "reason": _STR,
@@ -205,7 +234,7 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
 _TYPE_OF = {cls: name for name, (cls, _) in _SCHEMAS.items()}
 # Fields a message may leave out (added after version 1 shipped): their value when absent.
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "kv_request": {"stream": False},
+    "kv_request": {"stream": False, "num_planes": 2},
     "done": {"endpoint_gone": False, "group": "", "seq": -1, "retryable": False}}
 
 
@@ -337,8 +366,9 @@ class WireTrailer(NamedTuple):
 
 
 class Chunk(NamedTuple):
-    """One payload message: planes [plane_start, plane_stop) (plane = layer * 2 + K/V) of the
-    transfer's blocks [block_start, block_stop), laid out [planes, blocks, block bytes]."""
+    """One payload message: planes [plane_start, plane_stop) (plane = layer * planes_per_layer
+    + K/V, or just the layer for a 1-plane MLA pool) of the transfer's blocks
+    [block_start, block_stop), laid out [planes, blocks, block bytes]."""
 
     plane_start: int
     plane_stop: int
@@ -380,18 +410,16 @@ def choose_chunking(num_planes: int, num_blocks: int, plane_block_bytes: int,
     return max(1, target // plane_bytes), num_blocks
 
 
-PLANES_PER_LAYER = 2  # K and V
-
-
-def layer_aligned(chunk_planes: int) -> int:
+def layer_aligned(chunk_planes: int, planes_per_layer: int) -> int:
     """A layer-wise op's planes per chunk: at most one layer's, so each chunk can go as soon as
     its layer is written (a chunk of more planes spans all blocks: see choose_chunking)."""
-    return min(chunk_planes, PLANES_PER_LAYER)
+    return min(chunk_planes, planes_per_layer)
 
 
-def chunk_layer(c: Chunk) -> int:
-    """The last layer whose K/V chunk ``c`` carries: it may be sent once that layer is written."""
-    return (c.plane_stop - 1) // PLANES_PER_LAYER
+def chunk_layer(c: Chunk, planes_per_layer: int) -> int:
+    """The last layer whose planes chunk ``c`` carries: it may be sent once that layer is
+    written."""
+    return (c.plane_stop - 1) // planes_per_layer
 
 
 class LayerArrivals:
@@ -400,15 +428,20 @@ class LayerArrivals:
     stream is out of step); ``complete`` only when every chunk of every layer has landed, and
     ``layers_landed`` is how many leading layers have."""
 
-    def __init__(self, chunks: list[Chunk], num_layers: int) -> None:
+    def __init__(self, chunks: list[Chunk], num_layers: int, planes_per_layer: int) -> None:
         self._chunks = chunks
         self._landed = [False] * len(chunks)
         self._left = len(chunks)
+        self._planes_per_layer = planes_per_layer
         # per layer: chunks still to come that carry (some of) its planes
         self._per_layer = [0] * num_layers
         for c in chunks:
-            for layer in range(c.plane_start // PLANES_PER_LAYER, chunk_layer(c) + 1):
+            for layer in self._layers(c):
                 self._per_layer[layer] += 1
+
+    def _layers(self, c: Chunk) -> range:
+        return range(c.plane_start // self._planes_per_layer,
+                     chunk_layer(c, self._planes_per_layer) + 1)
 
     def arrive(self, index: int) -> None:
         if not 0 <= index < len(self._chunks):
@@ -417,8 +450,7 @@ class LayerArrivals:
             raise ProtocolError(f"chunk {index} arrived twice")
         self._landed[index] = True
         self._left -= 1
-        c = self._chunks[index]
-        for layer in range(c.plane_start // PLANES_PER_LAYER, chunk_layer(c) + 1):
+        for layer in self._layers(self._chunks[index]):
             self._per_layer[layer] -= 1
 
     @property

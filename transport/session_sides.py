@@ -66,9 +66,9 @@ class SenderSessions(_Sessions):
                 self._finish(s, SendState.EXPIRED, "lease expired")
                 raise TransferRejected(f"lease of context request {req.ctx_request_id} expired")
             mine = self.layout
-            theirs = KVLayout(req.dtype, req.bytes_per_block, req.kv_shape)
-            if theirs != mine:
-                raise TransferRejected(f"KV layout mismatch: ours {mine}, theirs {theirs}")
+            differs = mine.mismatch(req.layout)
+            if differs:
+                raise TransferRejected(f"KV layout mismatch (ours vs theirs): {differs}")
             if req.num_blocks > len(s.block_ids):
                 raise TransferRejected(
                     f"asked for {req.num_blocks} blocks, context request has {len(s.block_ids)}")

@@ -73,22 +73,41 @@ def main(conn: Any, config: dict[str, Any], stall: dict[str, Any] | None = None)
             send(("stopped",))
             return
         try:
-            if cmd == "sender":  # worker_id, pool shape, dtype name, seed -> endpoint
-                wid, shape, dtype, seed = args
-                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype])
+            if cmd == "sender":  # worker_id, pool shape, dtype name, seed[, planes] -> endpoint
+                wid, shape, dtype, seed, *planes = args  # planes: 2 (K, V) or 1 (MLA latent)
+                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype], num_planes=(planes or [2])[0])
                 fill_pattern(pools[wid], seed)
                 senders[wid] = KVSender(wid, pools[wid], config=cfg, send_hook=hook)
                 send(("ok", senders[wid].endpoint))
             elif cmd == "receiver":
-                wid, shape, dtype, seed = args
-                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype])
+                wid, shape, dtype, seed, *planes = args
+                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype], num_planes=(planes or [2])[0])
                 fill_pattern(pools[wid], seed)
                 receivers[wid] = KVReceiver(wid, pools[wid], config=cfg)
                 send(("ok", None))
-            elif cmd == "hold":
-                wid, rid, block_ids, lease_s = args
-                senders[wid].hold(rid, block_ids, lease_s=lease_s)
+            elif cmd == "hold":  # [first_token]: ends a layer-wise stream's prefill
+                wid, rid, block_ids, lease_s, *first = args
+                senders[wid].hold(rid, block_ids, lease_s=lease_s,
+                                  first_token=first[0] if first else None)
                 send(("ok", None))
+            elif cmd == "begin_stream":  # layer-wise: lease before the forward writes the KV
+                wid, rid, block_ids, lease_s = args
+                senders[wid].begin_stream(rid, block_ids, lease_s=lease_s)
+                send(("ok", None))
+            elif cmd == "write_layer":  # a stand-in forward: new bits in one layer, announced
+                wid, rids, block_ids, layer, seed = args
+                pool = pools[wid]
+                g = torch.Generator().manual_seed(seed)
+                bits = pool.kv[layer][:, block_ids].view(_BITS[pool.dtype])
+                info = torch.iinfo(bits.dtype)
+                pool.kv[layer][:, block_ids] = torch.randint(
+                    info.min, info.max, bits.shape, generator=g, dtype=torch.int64
+                ).to(bits.dtype).view(pool.dtype)
+                senders[wid].layers_written(rids, layer + 1)
+                send(("ok", None))
+            elif cmd == "first_token":
+                wid, rid = args
+                send(("ok", receivers[wid].take_first_token(rid)))
             elif cmd == "kv":  # answered asynchronously, as a Ray call in its own group would be
                 wid, tag, payload = args
                 threading.Thread(target=lambda: send(("done", tag, senders[wid].handle(payload))),

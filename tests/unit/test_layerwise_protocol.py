@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.transport.protocol import (
-    HEADER_LEN, PLANES_PER_LAYER, PROTOCOL_VERSION, KVLayout, KVRequest, LayerArrivals,
+    HEADER_LEN, PROTOCOL_VERSION, KVLayout, KVRequest, LayerArrivals,
     ProtocolError, WireStatus, WireTrailer, choose_chunking, chunk_layer, decode_message,
     encode_message, layer_aligned, plan_chunks,
 )
@@ -61,26 +61,29 @@ def test_trailer_round_trip_and_checks() -> None:
 
 
 @given(st.integers(1, 8), st.integers(1, 40), st.integers(1, 4096), st.integers(256, 1 << 16),
-       st.booleans())
+       st.booleans(), st.sampled_from([1, 2]))
 def test_layer_aligned_chunks_never_span_layers(layers: int, n: int, row: int, target: int,
-                                                runs: bool) -> None:
-    planes = 2 * layers
+                                                runs: bool, per_layer: int) -> None:
+    """per_layer: planes per layer, 2 for K and V, 1 for an MLA latent."""
+    planes = per_layer * layers
     per_chunk, blocks = choose_chunking(planes, n, row, target, runs=runs)
-    per_chunk = layer_aligned(per_chunk)
+    per_chunk = layer_aligned(per_chunk, per_layer)
     chunks = plan_chunks(planes, n, per_chunk, blocks)
     for c in chunks:
-        assert c.plane_start // PLANES_PER_LAYER == chunk_layer(c)  # one layer per chunk
+        assert c.plane_start // per_layer == chunk_layer(c, per_layer)  # one layer per chunk
     # wire order is layer-major: a chunk never needs a later layer than the one after it
-    assert [chunk_layer(c) for c in chunks] == sorted(chunk_layer(c) for c in chunks)
+    assert [chunk_layer(c, per_layer) for c in chunks] == sorted(
+        chunk_layer(c, per_layer) for c in chunks)
+    assert {chunk_layer(c, per_layer) for c in chunks} == set(range(layers))
 
 
 @settings(max_examples=200)
 @given(st.integers(1, 6), st.integers(1, 12), st.integers(1, 2), st.integers(1, 12),
-       st.randoms(use_true_random=False))
+       st.randoms(use_true_random=False), st.sampled_from([1, 2]))
 def test_arrivals_in_any_order_land_every_layer_once(layers: int, n: int, per_chunk: int,
-                                                     blocks: int, rnd) -> None:
-    chunks = plan_chunks(2 * layers, n, per_chunk, min(blocks, n))
-    arrivals = LayerArrivals(chunks, layers)
+                                                     blocks: int, rnd, per_layer: int) -> None:
+    chunks = plan_chunks(per_layer * layers, n, per_chunk, min(blocks, n))
+    arrivals = LayerArrivals(chunks, layers, per_layer)
     order = list(range(len(chunks)))
     rnd.shuffle(order)
     landed: set[int] = set()
@@ -92,7 +95,7 @@ def test_arrivals_in_any_order_land_every_layer_once(layers: int, n: int, per_ch
         expect = 0
         while expect < layers and all(
                 j in landed for j, c in enumerate(chunks)
-                if c.plane_start // 2 <= expect <= chunk_layer(c)):
+                if c.plane_start // per_layer <= expect <= chunk_layer(c, per_layer)):
             expect += 1
         assert arrivals.layers_landed == expect
         with pytest.raises(ProtocolError, match="twice"):
@@ -123,7 +126,7 @@ def test_receiver_never_releases_blocks_with_layers_in_flight(events: list[str],
     assert rx.request(1, group="pdserve-kv/c/g/1/0", seq=1).stream
     assert rx.begin_op(1) and rx.state_of(1) == RecvState.RECEIVING
     chunks = plan_chunks(2 * layers, n, 2, n)
-    arrivals = LayerArrivals(chunks, layers)
+    arrivals = LayerArrivals(chunks, layers, 2)
     nxt = 0
     for ev in events:
         if ev == "arrive" and nxt < len(chunks):

@@ -3,6 +3,7 @@ transport/sessions.py and session_sides.py (every transition, leases, deadlines,
 under a fake clock."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from typing import Callable
@@ -123,6 +124,19 @@ def test_kv_request_field_checks() -> None:
                             ("timeout_s", math.nan, "positive")]:
         with pytest.raises(ProtocolError, match=match):
             decode_message(_raw(**{**good, key: bad}))
+
+
+def test_kv_request_carries_the_plane_count() -> None:
+    """num_planes (2 = K and V, 1 = an MLA latent) travels with the layout; a peer that
+    predates the field has K and V; a count below one is malformed."""
+    mla = KVLayout("bfloat16", 4096, (2, 16, 1, 64), num_planes=1)
+    req = dataclasses.replace(kv_request(layout=mla), num_planes=1, kv_shape=mla.kv_shape)
+    assert decode_message(encode_message(req)).layout == mla
+    body = msgpack.unpackb(encode_message(req))
+    del body["num_planes"]
+    assert decode_message(_raw(**body)).num_planes == 2
+    with pytest.raises(ProtocolError, match="num_planes"):
+        decode_message(_raw(**{**body, "num_planes": 0}))
 
 
 def test_extra_fields_are_ignored_and_int_is_a_float() -> None:
