@@ -128,7 +128,7 @@ class KVPool:
         ids = torch.as_tensor(block_ids, dtype=torch.long).to(self.device).view(1, -1)  # [1, n]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise IndexError(f"block id out of range [0, {self.num_blocks})")
-        return (self._plane_offsets + ids).view(-1)  # [2 * layers * n], plane-major
+        return (self._plane_offsets + ids).view(-1)  # [planes * layers * n], plane-major
 
     def gather_blocks(self, block_ids: BlockIds, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy blocks out: contiguous [layers, planes, n, B, kv_heads, head_dim], in block_ids order.
@@ -155,7 +155,7 @@ class KVPool:
         self._rows.index_copy_(0, rows, src.view(rows.numel(), self.block_numel))
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Block ``dst`` becomes a copy of block ``src`` in every layer, K and V (a forked
+        """Block ``dst`` becomes a copy of block ``src`` in every layer and plane (a forked
         sequence's copy-on-write of a partial block)."""
         self.kv[:, :, dst].copy_(self.kv[:, :, src])
 
