@@ -186,6 +186,11 @@ def checkpoint_bytes(model_dir: str | Path, dtype: torch.dtype, config: ModelCon
                     for dim in piece.get_shape():
                         numel *= int(dim)
                     kind = piece.get_dtype()
+                    if kind == "U8" and name.endswith(("_blocks", "_scales")):
+                        # MXFP4 (gpt-oss experts): dequantised at load, two values per block
+                        # byte; the scales are folded in and not kept.
+                        total += 2 * numel * itemsize if name.endswith("_blocks") else 0
+                        continue
                     total += numel * (itemsize if kind in _ST_FLOATS else _ST_ITEMSIZE.get(kind, itemsize))
         except ModelLoadError:
             raise
