@@ -24,7 +24,7 @@ class Architecture:
 
 
 def _architectures() -> dict[str, Architecture]:
-    from . import llama, mixtral, qwen3, qwen3_moe
+    from . import deepseek_v3, llama, mixtral, qwen3, qwen3_moe
     from . import gemma3
     from . import gpt_oss
 
@@ -46,6 +46,8 @@ def _architectures() -> dict[str, Architecture]:
                                 "mlp_only_layers": []}),
         Architecture("MixtralForCausalLM", "mixtral", mixtral.parse_mixtral, mixtral.MixtralForCausalLM,
                      lambda b: {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}),
+        Architecture("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3.parse_deepseek_v3,
+                     deepseek_v3.DeepseekV3ForCausalLM, deepseek_v3.tiny_config),
         Architecture("Gemma3ForCausalLM", gemma3.MODEL_TYPE, gemma3.parse_gemma3, gemma3.Gemma3ForCausalLM,
                      gemma3.tiny_config),
         Architecture("GptOssForCausalLM", gpt_oss.MODEL_TYPE, gpt_oss.parse_gpt_oss, gpt_oss.GptOssForCausalLM,
