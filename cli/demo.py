@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model
     if args.arch is not None:
-        from pdserve.workers.tiny_model import ARCHITECTURES
+        from pdserve.workers.tiny_model import ARCH_ALIASES, ARCHITECTURES
 
+        args.arch = ARCH_ALIASES.get(args.arch, args.arch)
         if args.arch not in ARCHITECTURES:
             parser.error(f"--arch must be one of {', '.join(sorted(ARCHITECTURES))}, got {args.arch!r}")
         model = str(tiny_model_dir(args.arch))

@@ -74,6 +74,10 @@ def _architectures() -> dict[str, Any]:
 
 
 ARCHITECTURES = _architectures()  # model_type -> registry.Architecture
+# Family names people type for a model_type that says more: Gemma 3's text model is
+# "gemma3_text" in config.json ("gemma3" there is the multimodal wrapper), so --arch gemma3
+# writes a gemma3_text model.
+ARCH_ALIASES = {"gemma3": "gemma3_text"}
 
 
 def byte_to_unicode() -> list[str]:
@@ -199,6 +203,7 @@ def make_tiny_model(
     seed: int = 0,
 ) -> Path:
     """Write the model directory and return its path. intermediate_size defaults to 2x hidden."""
+    arch = ARCH_ALIASES.get(arch, arch)
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHITECTURES)})")
     if vocab_size < MIN_VOCAB:
@@ -233,7 +238,7 @@ def make_tiny_model(
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve make-tiny-model", description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", metavar="DIR")
-    ap.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    ap.add_argument("--arch", choices=sorted({*ARCHITECTURES, *ARCH_ALIASES}), default="llama")
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-heads", type=int, default=4)
