@@ -165,8 +165,9 @@ def resolve_model(model: str | os.PathLike, *, commit: str | None = None,
     where = f"the Hugging Face cache at {cache}"
     if hub_offline():
         if path is None:
+            at = f" at commit {commit} (the launch node's)" if commit else ""
             raise ModelResolveError(
-                f"model {text!r} is not in {where} and HF_HUB_OFFLINE=1 forbids downloading "
+                f"model {text!r}{at} is not in {where} and HF_HUB_OFFLINE=1 forbids downloading "
                 "it (nor is it a local directory)")
         raise ModelResolveError(
             f"model {text!r}: the snapshot in {where} ({path}) lacks "

@@ -200,7 +200,7 @@ def checkpoint_bytes(model_dir: str | Path, dtype: torch.dtype, config: ModelCon
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def _cpu_available() -> int | None:
@@ -246,11 +246,12 @@ def check_memory(weight_bytes: int, kv_cache_bytes: int, dtype: torch.dtype,
         return
     room, where = budget
     if weight_bytes + kv_cache_bytes > room:
+        smaller = "a smaller dtype (--dtype bfloat16), " if dtype == torch.float32 else ""
         raise ModelLoadError(
             f"weights need {_gib(weight_bytes)} ({str(dtype).removeprefix('torch.')}) and the KV "
-            f"cache {_gib(kv_cache_bytes)}, but only {_gib(room)} is available on {where}: use a "
-            "smaller dtype (--dtype bfloat16), a smaller KV pool (--num-kv-blocks, "
-            "--kv-cache-memory-bytes) or a bigger device")
+            f"cache {_gib(kv_cache_bytes)}, but only {_gib(room)} is available on {where}: use "
+            f"{smaller}a smaller KV pool (--num-kv-blocks, --kv-cache-memory-bytes) or a "
+            "device with more memory")
 
 
 def load_model(

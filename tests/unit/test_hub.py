@@ -255,8 +255,8 @@ def test_the_engine_refuses_before_reading_a_weight(tiny, monkeypatch):
     monkeypatch.setattr(loader, "memory_budget", lambda device: (1000, "cpu (a test's budget)"))
     monkeypatch.setattr(loader, "_iter_tensors",
                         lambda files: pytest.fail("weights were read before the memory check"))
-    with pytest.raises(ModelLoadError, match=r"weights need 0\.0 GiB \(float32\) and the KV cache "
-                                             r"0\.0 GiB, but only 0\.0 GiB is available on cpu "
+    with pytest.raises(ModelLoadError, match=r"weights need 0\.5 MiB \(float32\) and the KV cache "
+                                             r"0\.0 MiB, but only 0\.0 MiB is available on cpu "
                                              r"\(a test's budget\)"):
         LLM(str(tiny), num_kv_blocks=4, tokens_per_block=8)
 
@@ -266,3 +266,10 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 
     return load_file(str(d / "model.safetensors"))
 
+
+
+def test_a_worker_pinned_to_another_commit_says_which(offline_cache):
+    other = "0123456789abcdef0123456789abcdef01234567"
+    with pytest.raises(ModelResolveError, match=f"'org/tiny' at commit {other} \\(the launch node's\\) "
+                                                "is not in the Hugging Face cache"):
+        resolve_model("org/tiny", commit=other)
