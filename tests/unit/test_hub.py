@@ -273,3 +273,16 @@ def test_a_worker_pinned_to_another_commit_says_which(offline_cache):
     with pytest.raises(ModelResolveError, match=f"'org/tiny' at commit {other} \\(the launch node's\\) "
                                                 "is not in the Hugging Face cache"):
         resolve_model("org/tiny", commit=other)
+
+
+def test_workers_get_the_hub_settings_but_never_a_token(monkeypatch, tmp_path):
+    from pdserve.cluster.launch import WORKER_ENV, worker_env
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.delenv("HF_HOME", raising=False)
+    env = worker_env()
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HUB_CACHE"] == str(tmp_path)
+    assert "HF_TOKEN" not in env and "HF_HOME" not in env
+    assert all(env[k] == v for k, v in WORKER_ENV.items())
