@@ -184,7 +184,8 @@ def disagg_pair(model_dir: Path, log_dir: Path, engine: dict[str, Any] | None = 
             w.stop()
 
 
-def _drained(worker: _Worker, timeout_s: float = 30.0) -> dict:
+def wait_drained(worker: Any, timeout_s: float = 30.0) -> dict:
+    """Until the worker holds no request and every block is free; its status then."""
     deadline = time.monotonic() + timeout_s
     while True:
         status = worker.call("status")
@@ -223,7 +224,7 @@ def check_disagg_parity(hf: Any, model_dir: Path, log_dir: Path, batch: list[lis
                 tokens.extend(u.new_token_ids)
             got.append(tokens)
         assert got == expected, "1P1D tokens differ from transformers"
-        gstatus, cstatus = _drained(gen), _drained(ctx)
+        gstatus, cstatus = wait_drained(gen), wait_drained(ctx)
     sent, received = cstatus["transfers"], gstatus["transfers"]
     assert received["received"] == sent["sent"] == len(batch)
     assert received["bytes_received"] == sent["bytes_sent"] > 0

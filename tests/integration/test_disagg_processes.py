@@ -26,6 +26,8 @@ from pdserve.transport.requests import UpdateKind, WireRequest, WireUpdate
 from pdserve.workers.rpc_worker import RpcWorkerClient
 from pdserve.workers.tiny_model import make_tiny_model
 
+import arch_parity as P  # noqa: E402
+
 ENGINE = dict(tokens_per_block=4, num_kv_blocks=96, max_batch_size=8, max_num_tokens=16,
               context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=4,
               enable_block_reuse=True)
@@ -131,16 +133,7 @@ def _wait_receiving(gen: Worker, request_id: int, timeout_s: float = 30.0) -> No
         time.sleep(0.02)
 
 
-def _wait_drained(worker: Worker, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        status = worker.call("status")
-        if status["free_blocks"] == status["total_blocks"] and not status["requests_by_state"]:
-            assert status["violations"] == [], status["violations"]
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{worker.worker_id} did not drain: {status}")
-        time.sleep(0.1)
+_wait_drained = P.wait_drained
 
 
 def test_disaggregated_output_matches_the_in_process_engine(spawn, model_dir):
