@@ -20,7 +20,7 @@ commands:
   shutdown           stop a pdserve cluster by its router's port (never the Ray cluster itself)
   demo               the main job on an embedded cluster: a trace burst over gRPC, then a summary
   demo-scheduler     replay the Azure trace through the schedulers on a simulated worker
-  make-tiny-model    write a small random Llama-family model (HF format) to a directory
+  make-tiny-model    write a small random model of any supported family (HF format, --arch)
   bench-scheduler    time one full scheduler step (see bench/scheduler.py)
   bench              bench serve | bench compare: replay a trace over gRPC (latency, goodput, figures)
   simulate           simulate run | search | validate: discrete-event sizing on a roofline cost model
