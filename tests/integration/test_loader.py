@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="checks loading agains
 from pdserve.workers.kv_pool import KVPool
 from pdserve.workers.loader import ModelLoadError, load_config, load_model, load_tokenizer
 from pdserve.workers.model import ModelConfig, ModelConfigError, SeqBatchInfo
+from pdserve.workers.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
 from pdserve.workers.tiny_model import SPECIAL_TOKENS, build_byte_tokenizer, main, make_tiny_model
 
 
@@ -34,15 +35,18 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---------------------------------------------------------------- tiny model
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True), ("mistral", False)])
+@pytest.mark.parametrize("arch,tied", [*((a, False) for a in sorted(TINY_ARCHITECTURES)), ("qwen2", True)])
 def test_tiny_model_loads_in_pdserve_and_transformers(tmp_path: Path, arch: str, tied: bool) -> None:
+    # Every family the registry lists: make-tiny-model's output is a model transformers loads
+    # (no missing or unexpected tensor) and computes the same logits from.
     d = make_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings=tied, seed=1)
     lm = load_model(d)
     assert lm.config.model_type == arch and lm.config.tie_word_embeddings == tied
     assert (lm.config.hidden_size, lm.config.num_hidden_layers, lm.config.vocab_size) == (64, 2, 384)
-    assert (lm.config.num_attention_heads, lm.config.num_key_value_heads) == (4, 2)
     assert lm.eos_token_ids == (SPECIAL_TOKENS.index("</s>"),)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
+    hf.eval()
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     tokens = lm.tokenizer.encode("tiny models still compute real logits").ids
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
