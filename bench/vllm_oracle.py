@@ -14,7 +14,13 @@ pdserve answers through its offline ``LLM`` (the same executor and sampler its w
 through ``/v1/completions`` with token-id prompts and ``return_tokens_as_token_ids``. Prints one
 row per case and exits 1 on any disagreement.
 
+``--arch`` runs other model families the same way (``all``: every family make-tiny-model
+writes), one at a time, each with its own vLLM server: Llama takes every case above, the other
+families the greedy case and the prompt logprobs. It ends with one row per family; a family
+vLLM's CPU build cannot serve gets the one-line reason instead of failing the run.
+
     .venv/bin/python bench/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm
+    .venv/bin/python bench/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm --arch all
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -50,13 +57,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_model(folder: Path, seed: int) -> Path:
+# What vLLM's CPU build needs beyond make-tiny-model's defaults, per family.
+# DeepSeek-V3: its CPU MLA kernel (CPU_MLA, the one that takes float32) is built only for the real
+# model's latent width, kv_lora_rank 512 + qk_rope_head_dim 64; and the router keys real
+# checkpoints carry (pdserve and transformers assume them; without them vLLM builds no
+# e_score_correction_bias and fails to load the checkpoint's).
+FAMILY_CONFIG: dict[str, dict] = {
+    "deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "topk_method": "noaux_tc",
+                    "scoring_func": "sigmoid"},
+}
+# vLLM flags per family: on a CPU with AMX vLLM picks AMX_MLA, which takes only bfloat16.
+FAMILY_VLLM_ARGS: dict[str, list[str]] = {"deepseek_v3": ["--attention-backend", "CPU_MLA"]}
+
+
+def write_model(folder: Path, seed: int, arch: str = "llama") -> Path:
     from safetensors.torch import load_file, save_file
 
-    model = folder / "model"
-    subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", str(model), "--hidden-size", "128",
-                    "--num-heads", "4", "--num-kv-heads", "2", "--num-layers", "2", "--seed", str(seed)],
-                   check=True, timeout=300)
+    from pdserve.workers.tiny_model import make_tiny_model
+
+    # Head size 32 (128 / 4): vLLM's CPU attention takes no smaller. The families' own extra
+    # sizes (experts, MLA ranks, windows) come from the registry's tiny_config.
+    model = make_tiny_model(folder / f"model-{arch}", arch=arch, hidden_size=128, num_heads=4, num_kv_heads=2,
+                            num_layers=2, seed=seed)
+    extra = FAMILY_CONFIG.get(arch)
+    if extra:  # the config changes tensor shapes, so the weights are drawn again from it
+        from pdserve.workers.tiny_model import _random_weights
+
+        cfg = {**json.loads((model / "config.json").read_text()), **extra}
+        (model / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(_random_weights(cfg, seed), str(model / "model.safetensors"), metadata={"format": "pt"})
     weights = load_file(str(model / "model.safetensors"))
     key = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
     weights[key] = weights[key] * 20.0  # spread the logits (see the module docstring)
@@ -64,12 +93,12 @@ def write_model(folder: Path, seed: int) -> Path:
     return model
 
 
-def start_vllm(venv: Path, model: Path, port: int, log: Path) -> subprocess.Popen:
+def start_vllm(venv: Path, model: Path, port: int, log: Path, extra_args: list[str] = ()) -> subprocess.Popen:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_LOGGING_LEVEL="WARNING")
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-           "--host", "127.0.0.1", "--port", str(port), "--max-logprobs", "20"]
+           "--host", "127.0.0.1", "--port", str(port), "--max-logprobs", "20", *extra_args]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -98,12 +127,14 @@ def _token_id(token: str) -> int:
     return int(token.split(":", 1)[1])  # return_tokens_as_token_ids: "token_id:123"
 
 
-def compare(port: int, llm, prompts: list[list[int]], max_tokens: int, tolerance: float) -> list[dict]:
+def compare(port: int, llm, prompts: list[list[int]], max_tokens: int, tolerance: float,
+            cases: dict[str, dict] = CASES) -> list[dict]:
     from pdserve import SamplingParams
 
     rows = []
     plain = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    for name, extra in CASES.items():
+    mismatches: list[dict] = []
+    for name, extra in cases.items():
         same, worst, n = 0, 0.0, 0
         for prompt, base in zip(prompts, plain):
             if extra == "bias":
@@ -127,14 +158,16 @@ def compare(port: int, llm, prompts: list[list[int]], max_tokens: int, tolerance
             ids = [_token_id(t) for t in theirs["tokens"]]
             same += ids == ours.token_ids
             n += 1
+            if ids != ours.token_ids:
+                mismatches.append({"case": name, "prompt": prompt, "pdserve": list(ours.token_ids), "vllm": ids})
             for mine, their_lp, their_top in zip(ours.logprobs, theirs["token_logprobs"], theirs["top_logprobs"]):
                 worst = max(worst, abs(mine.logprob - their_lp))
                 top = {_token_id(t): v for t, v in their_top.items()}
                 for tid, value in mine.top:
                     if tid in top:
                         worst = max(worst, abs(value - top[tid]))
-        rows.append({"case": name, "identical": f"{same}/{n}", "max_abs_logprob_diff": worst,
-                     "ok": same == n and worst <= tolerance})
+        rows.append({"case": name, "identical": f"{same}/{n}", "same": same, "n": n,
+                     "max_abs_logprob_diff": worst, "ok": same == n and worst <= tolerance})
     # Prompt logprobs: vLLM's prompt_logprobs against pdserve's.
     worst, same = 0.0, 0
     for prompt in prompts:
@@ -149,12 +182,90 @@ def compare(port: int, llm, prompts: list[list[int]], max_tokens: int, tolerance
         same += ranks_match and len(theirs) == len(prompt)
     rows.append({"case": "prompt_logprobs", "identical": f"{same}/{len(prompts)} ranks",
                  "max_abs_logprob_diff": worst, "ok": same == len(prompts) and worst <= tolerance})
+    for m in mismatches:  # printed in full: a disagreement is reported, never explained away here
+        print(f"MISMATCH {m['case']}: prompt={m['prompt']}\n  pdserve={m['pdserve']}\n  vllm   ={m['vllm']}",
+              flush=True)
     return rows
 
 
+_ERROR_LINE = re.compile(r"\b(\w+(Error|Exception)|NotImplementedError|AssertionError)\b: ?(.*)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failure_reason(log_text: str, fallback: str) -> str:
+    """The last exception line vLLM logged (the root cause is raised last by its engine core),
+    on one line; the fallback when it logged none."""
+    for line in reversed(_ANSI.sub("", log_text).splitlines()):
+        found = _ERROR_LINE.search(line)
+        if found and "Engine core initialization failed" not in line:
+            return found.group(0).strip()[:240]
+    return fallback[:240]
+
+
+def run_family(arch: str, args, folder: Path) -> dict:
+    """One family end to end: its model, its vLLM server (stopped before returning), pdserve's
+    offline LLM, the comparison. Returns {"arch", "status", "rows" | "reason"}."""
+    from pdserve import LLM
+
+    model = write_model(folder, args.seed, arch)
+    port = free_port()
+    log = folder / f"vllm-{arch}.log"
+    t0 = time.monotonic()
+    proc = start_vllm(args.vllm_venv, model, port, log, FAMILY_VLLM_ARGS.get(arch, []))
+    try:
+        try:
+            wait_ready(port, proc, args.start_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            return {"arch": arch, "status": "vllm", "reason": failure_reason(log.read_text(), str(e))}
+        print(f"[{arch}] vLLM ready in {time.monotonic() - t0:.0f} s", flush=True)
+        rng = random.Random(args.seed)
+        prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 40))] for _ in range(args.prompts)]
+        try:
+            llm = LLM(model, dtype="float32", num_kv_blocks=512, tokens_per_block=16)
+        except Exception as e:  # noqa: BLE001 - reported as the family's row
+            return {"arch": arch, "status": "pdserve", "reason": f"{type(e).__name__}: {e}"[:240]}
+        cases = CASES if arch == "llama" else {"greedy": CASES["greedy"]}
+        try:
+            rows = compare(port, llm, prompts, args.max_tokens, args.tolerance, cases)
+        except urllib.error.HTTPError as e:  # vLLM refused or failed a request
+            return {"arch": arch, "status": "vllm",
+                    "reason": f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}"}
+        except urllib.error.URLError as e:
+            return {"arch": arch, "status": "vllm", "reason": failure_reason(log.read_text(), str(e))}
+        return {"arch": arch, "status": "ok", "rows": rows}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def family_row(result: dict) -> dict:
+    """One line per family: greedy outputs identical token for token (over its cases), the
+    largest |logprob difference| (sampled, top-5 and prompt logprobs), or why it did not run."""
+    if result["status"] != "ok":
+        return {"arch": result["arch"], "identical": "-", "max_abs_logprob_diff": None,
+                "ok": None, "note": f"{result['status']}: {result['reason']}"}
+    rows = result["rows"]
+    generated = [r for r in rows if "n" in r]
+    same, n = sum(r["same"] for r in generated), sum(r["n"] for r in generated)
+    prompt_row = rows[-1]
+    return {"arch": result["arch"], "identical": f"{same}/{n}",
+            "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in rows),
+            "ok": all(r["ok"] for r in rows), "note": f"{len(generated)} case(s); prompt logprobs {prompt_row['identical']}"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.workers.tiny_model import ARCH_ALIASES, ARCHITECTURES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-venv", type=Path, required=True, help="virtualenv with vllm-cpu")
+    ap.add_argument("--arch", default="llama",
+                    help=f"comma-separated families, or 'all' ({', '.join(ARCHITECTURES)})")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest |logprob difference| allowed")
@@ -162,37 +273,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=400.0, help="seconds vLLM may take to start")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
-    from pdserve import LLM
+    archs = list(ARCHITECTURES) if args.arch == "all" else [ARCH_ALIASES.get(a, a) for a in args.arch.split(",")]
+    unknown = [a for a in archs if a not in ARCHITECTURES]
+    if unknown:
+        ap.error(f"unknown arch {', '.join(unknown)} (choose from {', '.join(ARCHITECTURES)} or all)")
 
+    results = []
     with tempfile.TemporaryDirectory(prefix="pdserve-oracle-") as tmp:
-        folder = Path(tmp)
-        model = write_model(folder, args.seed)
-        port = free_port()
-        log = folder / "vllm.log"
-        t0 = time.monotonic()
-        proc = start_vllm(args.vllm_venv, model, port, log)
-        try:
-            wait_ready(port, proc, args.start_timeout)
-            print(f"vLLM ready in {time.monotonic() - t0:.0f} s", flush=True)
-            rng = random.Random(args.seed)
-            prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(5, 40))] for _ in range(args.prompts)]
-            llm = LLM(model, dtype="float32", num_kv_blocks=512, tokens_per_block=16)
-            rows = compare(port, llm, prompts, args.max_tokens, args.tolerance)
-        except Exception:
-            print(log.read_text()[-4000:], file=sys.stderr)
-            raise
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
-    print(f"{'case':<20} {'identical':>14} {'max |dlogprob|':>15}  ok")
-    for r in rows:
-        print(f"{r['case']:<20} {r['identical']:>14} {r['max_abs_logprob_diff']:>15.2e}  {r['ok']}")
+        for arch in archs:  # one at a time: one vLLM server alive at once
+            result = run_family(arch, args, Path(tmp))
+            results.append(result)
+            if result["status"] == "ok":
+                print(f"[{arch}]")
+                print(f"{'case':<20} {'identical':>14} {'max |dlogprob|':>15}  ok")
+                for r in result["rows"]:
+                    print(f"{r['case']:<20} {r['identical']:>14} {r['max_abs_logprob_diff']:>15.2e}  {r['ok']}")
+            else:
+                print(f"[{arch}] not compared ({result['status']}): {result['reason']}", flush=True)
+    families = [family_row(r) for r in results]
+    if len(archs) > 1:
+        print(f"\n{'family':<12} {'identical':>10} {'max |dlogprob|':>15}  {'ok':<5} note")
+        for f in families:
+            diff = "-" if f["max_abs_logprob_diff"] is None else f"{f['max_abs_logprob_diff']:.2e}"
+            ok = "-" if f["ok"] is None else str(f["ok"])
+            print(f"{f['arch']:<12} {f['identical']:>10} {diff:>15}  {ok:<5} {f['note']}")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0 if all(r["ok"] for r in rows) else 1
+        args.json.write_text(json.dumps({"families": families, "results": results}, indent=2))
+    # A family vLLM cannot serve is a row, not a failure; a disagreement on one it serves is.
+    return 0 if all(f["ok"] is not False for f in families) and any(f["ok"] for f in families) else 1
 
 
 if __name__ == "__main__":
