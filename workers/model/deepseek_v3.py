@@ -477,4 +477,6 @@ def tiny_config(base: Mapping[str, Any]) -> dict[str, Any]:
         "first_k_dense_replace": min(1, base["num_hidden_layers"]), "norm_topk_prob": True,
         "routed_scaling_factor": 2.5, "rope_interleave": True, "attention_bias": False,
         "num_nextn_predict_layers": 0,
+        # What pdserve and transformers assume; vLLM builds the correction bias only when told.
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid",
     }
