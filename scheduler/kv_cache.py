@@ -350,20 +350,22 @@ class KVCacheManager:
                     beam_blocks.append(blk)
 
     def fork_sequence(self, parent_id: int, child: LlmRequest) -> tuple[int, int] | None:
-        """Give ``child`` the parent's KV as it stands (beam width 1, no sliding window): every
-        full block shared (one more ref each, so neither frees it while the other holds it), and
-        the partial last block, which both will write, copied on write now: the child gets a
-        block of its own. Returns (parent's partial block, the child's copy) for the caller to
+        """Give ``child`` the parent's KV as it stands (beam width 1): every full live block
+        shared (one more ref each, so neither frees it while the other holds it), and the
+        partial last block, which both will write, copied on write now: the child gets a block
+        of its own. Blocks a sliding window detached stay detached: the child starts from the
+        parent's front. Returns (parent's partial block, the child's copy) for the caller to
         copy the data, or None when the parent ends on a block boundary. All or nothing:
         KVCacheOutOfBlocksError when the copy has no free block."""
         parent = self._get_seq(parent_id)
         rid = child.request_id
         if rid in self._seqs:
             raise ValueError(f"request {rid} already has a KV sequence")
-        if parent.beam_width != 1 or parent.front_removed or self.is_cross:
-            raise ValueError("only a beam-1 sequence without detached blocks can be forked")
-        full, partial = divmod(parent.num_tokens, self.tokens_per_block)
-        blocks = list(parent.beams[0][:full])
+        if parent.beam_width != 1 or self.is_cross:
+            raise ValueError("only a beam-1 sequence can be forked")
+        live = parent.beams[0]  # ends with the block of the last token
+        partial = parent.num_tokens % self.tokens_per_block
+        blocks = list(live[:-1] if partial else live)
         if partial and self.get_num_free_blocks() < 1:
             raise KVCacheOutOfBlocksError(f"request {rid}: needs 1 new KV block to fork, 0 free")
         for blk in blocks:
@@ -371,9 +373,9 @@ class KVCacheManager:
         copy = None
         if partial:
             tail = self._take_free()
-            copy = (parent.beams[0][full], tail)
+            copy = (live[-1], tail)
             blocks.append(tail)
-        self._seqs[rid] = _Sequence(1, parent.num_tokens, [blocks], blocks, 0)
+        self._seqs[rid] = _Sequence(1, parent.num_tokens, [blocks], blocks, parent.front_removed)
         return copy
 
     def store_context_blocks(self, request: LlmRequest) -> int:
