@@ -91,6 +91,8 @@ class KVTransceiver:
         # Generation side: request id -> (client label, ctx worker id, blocks asked for, bytes)
         # of each receive in flight, for its event when it ends.
         self._receiving: dict[int, tuple[str, str, int, int]] = {}
+        # Generation side: receives that leave leading blocks unwritten (see start_receive).
+        self._unfilled: set[int] = set()
         # Control messages for the driver to deliver; replies come back through
         # ``deliver_reply`` from any thread.
         self.outbox: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
@@ -176,6 +178,14 @@ class KVTransceiver:
             raise ValueError(f"request {request.request_id} lacks context phase params")
         lifecycle.reserve_generation_init(request, kv)
         cached_blocks = request.prepopulated_prompt_len // kv.tokens_per_block
+        held = len(kv.get_block_ids(request.request_id))
+        if 0 < params.num_blocks < held - cached_blocks:
+            # A sliding window: the context worker kept fewer trailing blocks than this one holds
+            # (its temporary window is smaller). Both tables end on the prompt's last block, so
+            # the trailing ones travel; the leading ones only ever sit outside the window, and
+            # are not cached for reuse (they hold no KV of this prompt).
+            cached_blocks = held - params.num_blocks
+            self._unfilled.add(request.request_id)
         endpoint = params.opaque_state.decode()
         timeout = self.transfer_timeout_s if timeout_s is None else max(
             1e-3, min(self.transfer_timeout_s, timeout_s))
@@ -231,6 +241,8 @@ class KVTransceiver:
         by_id = {r.request_id: r for r in active}
         for result in results:
             moved = self._transfer_event(result)
+            unfilled = result.request_id in self._unfilled
+            self._unfilled.discard(result.request_id)
             first_token = self.receiver.take_first_token(result.request_id)
             request = by_id.get(result.request_id)
             drained = self.draining.pop(result.request_id, None)
@@ -248,7 +260,7 @@ class KVTransceiver:
             if result.ok:
                 request.state = S.DISAGG_GENERATION_TRANS_COMPLETE
                 self.received[request.request_id] = (result.nbytes, result.seconds, moved)
-                if kv.enable_block_reuse:
+                if kv.enable_block_reuse and not unfilled:
                     # The received prompt blocks serve later requests' prefixes too.
                     kv.store_context_blocks(request)
             else:
