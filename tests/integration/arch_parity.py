@@ -102,11 +102,16 @@ def _generate(hf: Any, batch: list[list[int]], max_new: int) -> list[list[int]]:
     gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=None,
                                         pad_token_id=0)
     out = []
-    with torch.no_grad():
-        for p in batch:
-            ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              generation_config=gen)
-            out.append(ids[0, len(p):].tolist())
+    # generate() merges the model's own EOS into ``gen``: the engine runs with ignore_eos.
+    model_eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+    try:
+        with torch.no_grad():
+            for p in batch:
+                ids = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  generation_config=gen)
+                out.append(ids[0, len(p):].tolist())
+    finally:
+        hf.generation_config.eos_token_id = model_eos
     return out
 
 
@@ -155,14 +160,17 @@ class _Worker:
 
 
 @contextmanager
-def disagg_pair(model_dir: Path, log_dir: Path, engine: dict[str, Any] | None = None) -> Iterator[tuple[_Worker, _Worker]]:
-    """A context worker and a generation worker (``python -m pdserve.workers.rpc_worker``)."""
+def disagg_pair(model_dir: Path, log_dir: Path, engine: dict[str, Any] | None = None,
+                gen_engine: dict[str, Any] | None = None) -> Iterator[tuple[_Worker, _Worker]]:
+    """A context worker and a generation worker (``python -m pdserve.workers.rpc_worker``);
+    ``gen_engine``: the generation worker's settings that differ from ``engine``."""
     started: list[_Worker] = []
-    engine_json = json.dumps({**DISAGG_ENGINE, **(engine or {})})
+    engines = {"context": {**DISAGG_ENGINE, **(engine or {})}}
+    engines["generation"] = {**engines["context"], **(gen_engine or {})}
 
     def spawn(role: str, worker_id: str, peers: dict[str, str]) -> _Worker:
         cmd = [sys.executable, "-m", "pdserve.workers.rpc_worker", "--role", role, "--worker-id", worker_id,
-               "--model", str(model_dir), "--engine", engine_json, "--peers", json.dumps(peers)]
+               "--model", str(model_dir), "--engine", json.dumps(engines[role]), "--peers", json.dumps(peers)]
         log = open(Path(log_dir) / f"{worker_id}.log", "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -197,13 +205,14 @@ def wait_drained(worker: Any, timeout_s: float = 30.0) -> dict:
 
 
 def check_disagg_parity(hf: Any, model_dir: Path, log_dir: Path, batch: list[list[int]] | None = None,
-                        engine: dict[str, Any] | None = None) -> dict[str, Any]:
+                        engine: dict[str, Any] | None = None,
+                        gen_engine: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every prompt prefilled on the context worker, its KV moved, decoded on the generation
     worker; tokens == transformers'. Returns {"bytes", "blocks", "records", "prompt_tokens"}
     from the two workers' status (bytes sent == bytes received)."""
     batch = batch or prompts()
     expected = reference(hf, batch)
-    with disagg_pair(model_dir, log_dir, engine) as (ctx, gen):
+    with disagg_pair(model_dir, log_dir, engine, gen_engine) as (ctx, gen):
         done = {}
         for rid, p in enumerate(batch):  # every prompt in flight at once
             ctx.call("submit", WireRequest(rid, None, p, 1, type=LlmRequestType.CONTEXT_ONLY,
