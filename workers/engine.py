@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pdserve.transport.requests.sampling import bad_words_to_token_ids
 from .transceiver import KVTransceiver
 
 Prompt = str | Sequence[int]
+log = logging.getLogger("pdserve.engine")
 
 # Default pool when neither num_kv_blocks nor kv_cache_memory_bytes is given: room for a full
 # batch of sequences of up to this many tokens, within the memory cap below.
@@ -102,6 +104,7 @@ def build_executor(
         mcfg = load_config(model_dir)
         dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
         blocks, per_block = kv_pool_size(config, mcfg, dtype)
+        blocks += 1 if sliding_window_of(mcfg) is not None else 0  # the scratch block
         check_memory(checkpoint_bytes(model_dir, dtype, mcfg), blocks * per_block, dtype, device)
         loaded = load_model(model_dir, dtype=dtype, device=device)
     mcfg = loaded.config
@@ -114,7 +117,17 @@ def build_executor(
         )
     B = config.tokens_per_block
     num_blocks, _ = kv_pool_size(config, mcfg, loaded.model.dtype)
-    kv_pool = KVPool.for_model(mcfg, num_blocks, B, dtype=loaded.model.dtype, device=device)
+    window = sliding_window_of(mcfg)
+    if window is not None:
+        log.info("sliding window of %d tokens on every layer: KV blocks leave the pool as the "
+                 "window passes them", window)
+    elif any(w is not None for w in mcfg.layer_windows):
+        log.info("layers differ in their attention windows (windowed and full layers): every "
+                 "KV block is kept, as one pool holds the longest history; blocks are freed as "
+                 "the window passes only when every layer shares one window")
+    # With a window the executor keeps the pool's last block as its scratch block.
+    kv_pool = KVPool.for_model(mcfg, num_blocks + (1 if window is not None else 0), B,
+                               dtype=loaded.model.dtype, device=device)
     executor = Executor(
         loaded.model,
         kv_pool,
@@ -124,8 +137,17 @@ def build_executor(
         max_seq_len=max_seq_len,
         transceiver=transceiver_factory(kv_pool) if transceiver_factory is not None else None,
         grammar=_LazyGrammar(loaded, mcfg.vocab_size) if loaded.tokenizer is not None else None,
+        attention_window=window,
     )
     return loaded, executor
+
+
+def sliding_window_of(mcfg: ModelConfig) -> int | None:
+    """The window W when every layer attends to the last W keys only (Mistral, Mixtral, Qwen2/3
+    with every layer sliding): then a sequence's KV blocks can leave the pool as the window
+    passes them. None when any layer attends to the whole history (it needs every block)."""
+    windows = set(mcfg.layer_windows)
+    return windows.pop() if len(windows) == 1 and None not in windows else None
 
 
 def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedModel,

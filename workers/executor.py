@@ -23,6 +23,7 @@ import torch
 
 from pdserve.scheduler import (
     CapacityScheduler,
+    CapacitySchedulerPolicy,
     ContextChunkingConfig,
     KVCacheManager,
     LlmRequest,
@@ -33,6 +34,7 @@ from pdserve.scheduler import (
     lifecycle,
 )
 from pdserve.scheduler.kv_cache import KVCacheOutOfBlocksError
+from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.reorder import insert_request_in_order
 from pdserve.transport.requests import ErrorKind, TokenLogprobs, UpdateInfo, UpdateKind, WireUpdate
 
@@ -105,7 +107,11 @@ class Executor:
         clock: Callable[[], float] = time.monotonic,
         worker_id: str = "engine",
         grammar=None,
+        attention_window: int | None = None,
     ) -> None:
+        """``attention_window``: the sliding window W every layer of the model shares; KV blocks
+        then leave the pool as the window passes them, and the pool's last block is a scratch
+        block outside the manager (see ``_block_table``). None: every block is kept."""
         self.model = model
         self.kv_pool = kv_pool
         # Structured outputs: a GrammarCompiler (workers/grammar.py) that builds matchers.
@@ -126,11 +132,29 @@ class Executor:
                 f"max_input_len ({self.max_input_len}) must be <= max_num_tokens "
                 f"({config.max_num_tokens}) when context chunking is off"
             )
-        self.kv = KVCacheManager(
-            kv_pool.num_blocks,
-            kv_pool.tokens_per_block,
-            enable_block_reuse=config.enable_block_reuse,
-        )
+        B = kv_pool.tokens_per_block
+        self.attention_window = attention_window
+        if attention_window is None:
+            self.kv = KVCacheManager(num_blocks=kv_pool.num_blocks, tokens_per_block=B,
+                                     enable_block_reuse=config.enable_block_reuse)
+            self._scratch_block = -1
+        else:
+            if attention_window <= 0 or kv_pool.num_blocks < 2:
+                raise ValueError("a sliding window needs W > 0 and a pool of at least 2 blocks")
+            # T: one step's chunk (at most max_num_tokens tokens) plus the window it reads fits in
+            # the live blocks with a block to spare for misalignment, so a prompt's live blocks
+            # hold every key its chunks and its first decode read (see _block_table).
+            temporary = -(-config.max_num_tokens // B) * B + B
+            self._scratch_block = kv_pool.num_blocks - 1
+            self.kv = KVCacheManager(num_blocks=kv_pool.num_blocks - 1, tokens_per_block=B,
+                                     enable_block_reuse=config.enable_block_reuse,
+                                     max_attention_window=attention_window,
+                                     temporary_attention_window=temporary)
+            # TensorRT-LLM's estimates assume a cyclic window (see these two): the capacity
+            # scheduler then reads the pool through the manager's public names.
+            self.kv.get_needed_blocks_one_step = self._needed_blocks_one_step
+            self.kv.get_remaining_blocks_to_completion = self._remaining_blocks_to_completion
+            self.kv.analyze_prefix_reuse = self._analyze_prefix_reuse
         chunking = (
             ContextChunkingConfig(config.context_chunking_policy, config.chunk_unit_size)
             if config.context_chunking_policy is not None
@@ -218,12 +242,17 @@ class Executor:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         request.max_new_tokens = min(request.max_new_tokens, self.max_seq_len - request.prompt_len)
-        B = self.kv.tokens_per_block
-        needed = -(-(request.prompt_len + request.max_new_tokens) // B)
+        needed = self._blocks_to_completion(request.prompt_len, request.max_new_tokens)
+        each = ""
+        if (self.attention_window is not None and params.candidates > 1
+                and not request.is_context_only_request
+                and self.config.capacity_scheduler_policy != CapacitySchedulerPolicy.MAX_UTILIZATION):
+            needed *= params.candidates  # every candidate's peak (_remaining_blocks_to_completion)
+            each = f" for {params.candidates} candidates (n/best_of)"
         if needed > self.kv.num_blocks:
             # Under GUARANTEED_NO_EVICT such a request would wait forever.
             raise ValueError(
-                f"prompt + max_tokens needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
+                f"prompt + max_tokens{each} needs {needed} KV blocks but the pool has {self.kv.num_blocks}"
             )
         matcher = None
         if params.guided is not None:
@@ -279,6 +308,105 @@ class Executor:
         self.tracked[request.request_id] = tracked
         self._num_deadlines += deadline is not None
         insert_request_in_order(self.waiting, request)
+
+    def _blocks_to_completion(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The most blocks the capacity scheduler asks to be free for one sequence of a fresh
+        request (or its recompute) in an otherwise empty pool, without reuse credit (a cache may
+        not keep it): GUARANTEED_NO_EVICT's estimate (scheduling.md 2.4), which bounds
+        MAX_UTILIZATION's first-chunk need too (``_needed_blocks_one_step``). More than the
+        pool: it would wait forever."""
+        B = self.kv.tokens_per_block
+        total = prompt_len + max_new_tokens
+        w = self.attention_window
+        if w is None:
+            return -(-total // B)
+        blocks = -(-min(total, w + self.kv.temporary_attention_window) // B)
+        if total > w and -(-total // B) > max(-(-prompt_len // B), blocks):
+            blocks += 1  # the window slides: a block is allocated before one is detached
+        return blocks
+
+    def _analyze_prefix_reuse(self, tokens, request: LlmRequest) -> PrefixReuseSummary:
+        """The manager reuses no cached prefix for a prompt past W + T: the scheduler must
+        neither credit one (a step would run out of blocks, or past max_num_tokens) nor hold the
+        request back for one to be stored (prefix-aware skipping)."""
+        if len(tokens) > self.attention_window + self.kv.temporary_attention_window:
+            return PrefixReuseSummary(0, 0, None)
+        return KVCacheManager.analyze_prefix_reuse(self.kv, tokens, request)
+
+    def _remaining_blocks_to_completion(self, request: LlmRequest, summary=None) -> int:
+        """GUARANTEED_NO_EVICT's estimate of a windowed pool. TensorRT-LLM's (scheduling.md 2.4)
+        credits a cached prefix this manager does not reuse (a prompt past W + T), and counts
+        blocks shared with another sequence (a reused prefix, n > 1's fork) as held for good,
+        while the window detaches them from one holder, which then allocates anew. Here a
+        sequence is charged its whole peak (the formula's per-beam blocks, no reuse credit) less
+        only the blocks it alone holds, so the running sequences' peaks always fit the pool;
+        a request whose other candidates are still to fork off is charged for each."""
+        kv = self.kv
+        if request.prompt_len > self.attention_window + kv.temporary_attention_window:
+            summary = PrefixReuseSummary(0, 0, None)  # no reuse, so no compute credit either
+        # Called for its estimated_reusable_tokens too (the chunk's compute credit).
+        formula = KVCacheManager.get_remaining_blocks_to_completion(kv, request, summary)
+        if request.beam_width != 1:
+            return formula
+        B, w = kv.tokens_per_block, self.attention_window
+        total = request.prompt_len + request.max_new_tokens
+        peak = -(-min(total, w + kv.temporary_attention_window) // B)
+        if total > w and -(-total // B) > max(-(-request.get_num_tokens(0) // B), peak):
+            peak += 1  # the window slides: a block is allocated before one is detached
+        rid = request.request_id
+        if rid in self._awaiting_fork and not request.is_context_only_request:
+            peak *= self.tracked[rid].params.candidates
+        own = 0
+        if kv.has_sequence(rid):
+            own = sum(1 for block in kv.get_block_ids(rid) if kv.get_ref_count(block) == 1)
+        return max(0, peak - own)
+
+    def _needed_blocks_one_step(self, request: LlmRequest, two_steps_look_ahead: bool,
+                                summary=None) -> int:
+        """MAX_UTILIZATION's next-step need of a windowed pool, as this manager allocates.
+        TensorRT-LLM's formula (scheduling.md 2.6) has a cyclic window in mind: it caps a first
+        chunk at W + max_new_tokens and counts nothing for a decode past W. This manager holds
+        min(P, W + T) tokens of a prompt (no reuse past W + T) and a decode opens a block at
+        every boundary after detaching what the window left. Short counts would let a step run
+        out of blocks halfway; these are exact (a decode's net need) or over."""
+        kv = self.kv
+        B, w = kv.tokens_per_block, self.attention_window
+        held = w + kv.temporary_attention_window
+        rid = request.request_id
+
+        def formula() -> int:
+            return KVCacheManager.get_needed_blocks_one_step(kv, request, two_steps_look_ahead,
+                                                             summary)
+
+        if request.beam_width != 1:
+            return formula()  # beams never detach
+        if request.state == LlmRequestState.DISAGG_GENERATION_INIT or (
+                request.is_context_init_state
+                and request.context_current_position == request.prepopulated_prompt_len):
+            p = request.prompt_len
+            if p > held:
+                summary = PrefixReuseSummary(0, 0, None)  # no reuse, so no compute credit either
+                formula()  # (sets estimated_reusable_tokens)
+                return -(-held // B)
+            # TensorRT-LLM's count of min(P, W + max_new) tokens, less its reuse credit, raised
+            # to the P tokens allocated.
+            return formula() + -(-p // B) - -(-min(p, w + request.max_new_tokens) // B)
+        if request.is_context_init_state or not kv.has_sequence(rid):
+            return formula()  # a later chunk allocates nothing
+        cur = kv.get_num_tokens(rid)
+        if two_steps_look_ahead:
+            return -(-(cur + 2) // B) - -(-cur // B)  # without what the window frees
+        n = cur + 1
+        if (n - 1) % B:
+            return 0
+        live = kv.get_block_ids(rid)
+        front = kv.get_num_front_blocks_removed(rid)
+        freed = 0  # add_token's detach, before it allocates
+        for i, block in enumerate(live):
+            if n - (front + i) * B < w + B:
+                break
+            freed += kv.get_ref_count(block) == 1
+        return max(0, 1 - freed)
 
     def _choice_sampler(self, params: SamplingParams, index: int, output_start: int,
                         output: list[int]) -> RequestSampler:
@@ -652,13 +780,13 @@ class Executor:
             pos = request.context_current_position
             start = len(input_ids)
             input_ids.extend(request.get_tokens(0)[pos : pos + n])
-            seqs.append(SeqBatchInfo(start, n, pos, self.kv.get_block_ids(request.request_id)))
+            seqs.append(SeqBatchInfo(start, n, pos, self._block_table(request.request_id, pos, n)))
             if pos + n >= request.prompt_len:
                 producing.append((len(seqs) - 1, request))
         for request in generation:
             past = request.get_num_tokens(0) - 1
             seqs.append(
-                SeqBatchInfo(len(input_ids), 1, past, self.kv.get_block_ids(request.request_id))
+                SeqBatchInfo(len(input_ids), 1, past, self._block_table(request.request_id, past, 1))
             )
             input_ids.append(request.get_tokens(0)[-1])
             producing.append((len(seqs) - 1, request))
@@ -701,6 +829,48 @@ class Executor:
                     tok, lp = sample(row, [sampler], [sequences[i]])
                     tracked.choice_firsts.append((tok[0], lp[0]))
         return {r.request_id: (tok, lp) for (_, r), tok, lp in zip(producing, sampled, logprobs)}
+
+    def _block_table(self, request_id: int, past: int, new: int) -> list[int]:
+        """The block table the model reads this step: one entry per block of positions
+        0 .. past + new - 1. Without a sliding window, or before any block was detached, that
+        is the sequence's own table.
+
+        With one (every layer attends to keys > q - W), the manager's live blocks stand for
+        virtual blocks ``front ..`` (``front`` = blocks never allocated or detached). Entry v:
+        - v >= front: ``live[v - front]``;
+        - ``first`` <= v < front, where ``first`` is the block of the lowest position this step
+          or a later one reads from the pool: ``live[(v - front) mod L]``, a ring over the live
+          blocks. A chunked prefill of a prompt longer than the live blocks writes its early
+          chunks there; the last L virtual blocks land exactly on the linear mapping, so the
+          context's live blocks need no copy before decoding or a transfer.
+        - v below both: the scratch block, written (several tokens may share a slot) and read
+          only where nothing attends: under the window mask, or a prefill's positions no later
+          query reaches (a first chunk attends its fresh K/V, not the pool).
+        Exact because everything read unmasked maps to distinct slots holding its own K/V:
+        [first, last] spans at most L blocks (checked), so no write clobbers a key that is still
+        read; and pool contents are finite, so masked reads of other blocks weigh nothing."""
+        live = self.kv.get_block_ids(request_id)
+        if self.attention_window is None:
+            return live
+        front = self.kv.get_num_front_blocks_removed(request_id)
+        if front == 0:
+            return live
+        B, L = self.kv.tokens_per_block, len(live)
+        total = past + new
+        last = (total - 1) // B
+        # Queries of this step read keys > past - W from the pool (a first chunk reads none);
+        # later queries (positions >= total) read keys > total - W.
+        first = max(0, (past if past > 0 else total) - self.attention_window + 1) // B
+        if first < front and last - first + 1 > L:
+            raise RuntimeError(
+                f"request {request_id}: the window of a {new}-token step at position {past} "
+                f"spans {last - first + 1} blocks, more than the {L} live ones")
+        end = last + 1
+        table = [self._scratch_block] * min(first, front, end)
+        table.extend(live[(v - front) % L] for v in range(len(table), min(front, end)))
+        if end > front:
+            table.extend(live[: end - front])
+        return table
 
     def _note_prompt_logprobs(self, request: LlmRequest, rows: torch.Tensor, past: int) -> None:
         """Row j of ``rows`` predicted the token at position past + j + 1: a prompt token's
