@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from .config import ModelConfig
+from .config import ModelConfig, parse_common
 from .decoder import DecoderLM
 from .llama import _require_mlp, qwen_layer_windows
-from .config import parse_common
 
 
 class Qwen3ForCausalLM(DecoderLM):
