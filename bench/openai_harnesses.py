@@ -286,7 +286,8 @@ class Cluster:
     """``pdserve launch`` on an embedded local Ray, in its own process group."""
 
     def __init__(self, model_dir: Path, work: Path, *, launch_timeout_s: float,
-                 num_context_workers: int, num_generation_workers: int) -> None:
+                 num_context_workers: int, num_generation_workers: int,
+                 extra_args: Sequence[str] = ()) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.out, self.err = work / "launch.stdout", work / "launch.stderr"
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -295,7 +296,7 @@ class Cluster:
                "--served-model-name", SERVED_MODEL, "--host", "127.0.0.1",
                "--port", str(self.grpc_port), "--http-port", str(self.http_port),
                "--num-context-workers", str(num_context_workers),
-               "--num-generation-workers", str(num_generation_workers)]
+               "--num-generation-workers", str(num_generation_workers), *extra_args]
         log(" ".join(cmd))
         t0 = time.monotonic()
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
@@ -304,6 +305,7 @@ class Cluster:
         deadline = t0 + launch_timeout_s
         while True:
             if self.proc.poll() is not None:
+                _kill_group(self.proc, grace_s=5)  # whatever it started in its group (Ray) goes too
                 raise RuntimeError(f"pdserve launch exited with {self.proc.returncode}: {tail(self.err)}")
             if time.monotonic() > deadline:
                 self.stop()

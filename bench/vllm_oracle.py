@@ -93,9 +93,10 @@ def write_model(folder: Path, seed: int, arch: str = "llama") -> Path:
     return model
 
 
-def start_vllm(venv: Path, model: Path, port: int, log: Path, extra_args: list[str] = ()) -> subprocess.Popen:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_LOGGING_LEVEL="WARNING")
+def start_vllm(venv: Path, model: Path, port: int, log: Path, extra_args: list[str] = (),
+               env_overrides: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_LOGGING_LEVEL": "WARNING", **(env_overrides or {})}
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
            "--host", "127.0.0.1", "--port", str(port), "--max-logprobs", "20", *extra_args]
