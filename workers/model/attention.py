@@ -7,7 +7,9 @@ attention runs in two parts so the per-token part can be tiled over the flat bat
   step-wide [T, h + 2 * kv_heads, d] buffer; the new K/V are written into the pool.
 - ``attend`` (whole batch): each query attends over its sequence's cached and new keys, read
   back through the block table. Reads gather whole blocks with one ``index_select`` of contiguous
-  rows into a reused workspace (fresh large allocations cost more than the copy itself).
+  rows into a reused workspace (fresh large allocations cost more than the copy itself); with
+  the flex backend (``meta.flex``, flex_attention.py) decode tokens and chunks with cached
+  tokens read the pool in place instead.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flex_attention
 from .batch import AttentionMetadata
 from .config import ModelConfig
-from .layers import RMSNorm, _empty, rotate_in_place
+from .layers import PrepackedLinears, RMSNorm, _empty, linear, rotate_in_place
 
 
 class Workspace:
@@ -44,13 +47,15 @@ class Workspace:
         return self.get("gather", (n_rows, row_size), dtype, device)
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(PrepackedLinears, nn.Module):
     """One layer's attention weights and its parts: ``project`` and ``output`` per token tile,
     ``attend`` over the whole batch; the decoder layer drives them so that it can tile the
     tokens. Every attention kind (this GQA one, MLA) offers the same four methods.
 
     Options from the config: biases, per-head q/k RMSNorm before RoPE (``qk_norm``; Gemma's
     ``unit_offset`` scale), the softmax scale, the layer's sliding window."""
+
+    LINEARS = ("qkv", "o")
 
     def __init__(
         self, config: ModelConfig, window: int | None, *, dtype: torch.dtype, device: torch.device | str,
@@ -85,7 +90,7 @@ class PagedAttention(nn.Module):
         return qkv, att
 
     def output(self, att: torch.Tensor) -> torch.Tensor:  # [t, h * d] -> [t, H]
-        return F.linear(att, self.o_weight, self.o_bias)
+        return linear(att, self.o_weight, self.o_bias, self.packed("o"))
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF names (``prefix`` + q_proj/k_proj/v_proj/o_proj/q_norm/k_norm) -> what they fill."""
@@ -114,7 +119,10 @@ class PagedAttention(nn.Module):
     ) -> None:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         flat = qkv.view(qkv.shape[0], -1)
-        if self.qkv_bias is None:
+        packed = self.packed("qkv")
+        if packed is not None:
+            flat.copy_(linear(x, self.qkv_weight, self.qkv_bias, packed))
+        elif self.qkv_bias is None:
             torch.mm(x, self.qkv_weight.t(), out=flat)
         else:
             torch.addmm(self.qkv_bias, x, self.qkv_weight.t(), out=flat)
@@ -173,3 +181,8 @@ class PagedAttention(nn.Module):
                 qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h, scale=self.scale,
             )  # [1, h, n, d]
             out[rows] = o[0].transpose(0, 1)
+        if meta.flex is not None:
+            keys, values = flex_attention.pool_keys_values(layer_kv)
+            calls = [meta.flex.decode] if meta.flex.decode is not None else []
+            for call in [*calls, *meta.flex.chunks.values()]:
+                flex_attention.attend(call, self.window, q, keys, values, self.scale, out, B)

@@ -10,14 +10,19 @@ Decode sequences are batched: sorted by cache length and cut into a few groups w
 length wastes little. One gather per layer reads every group's K/V blocks back to back, then each
 group is attended with one SDPA call. Context chunks are attended one sequence at a time (their
 queries already fill a matmul).
+
+With the "flex" attention backend (``flex_attention.py``) decode tokens and context chunks with
+cached tokens are read from the pool in place instead: they go to ``AttentionMetadata.flex``
+(block masks), not to decode groups or gathering chunks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from .flex_attention import build_plan
 # A new decode group starts when a sequence has fewer blocks than this fraction of the group's
 # longest: bounds the padding waste of one SDPA call against the fixed cost of another call.
 _GROUP_FILL_RATIO = 0.7
@@ -99,6 +104,9 @@ class AttentionMetadata:
     # Every decode group's gather_rows back to back: one gather per layer serves all groups
     # (one parallel region instead of one per group). None without decode tokens.
     decode_gather_rows: torch.Tensor | None = None
+    # The flex backend's calls (flex_attention.FlexPlan): decode tokens and the context chunks
+    # with cached tokens; None with the SDPA backend.
+    flex: Any = None
 
     @classmethod
     def build(
@@ -114,11 +122,18 @@ class AttentionMetadata:
         group_bytes: int = GROUP_GATHER_BYTES,
         dtype: torch.dtype = torch.float32,
         num_planes: int = 2,
+        backend: str = "sdpa",
     ) -> AttentionMetadata:
         """block_bytes: one block's K+V bytes in one layer; with group_bytes it caps the size of
         a decode group's gather (block_bytes 0: no cap). dtype: the model's, for the masks.
         num_planes: the pool's planes per layer (2: K and V; 1: MLA's latent); gathers read
-        every plane's blocks, plane after plane."""
+        every plane's blocks, plane after plane. backend "flex": decode tokens and chunks with
+        cached tokens get block masks in ``flex`` (a two-plane pool) instead of gathers."""
+        flex = backend == "flex"
+        if backend not in ("sdpa", "flex"):
+            raise ValueError(f"unknown attention backend {backend!r}")
+        if flex and num_planes != 2:
+            raise ValueError("the flex backend reads a two-plane (K, V) pool")
         B = tokens_per_block
         windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         slots = [0] * num_tokens
@@ -126,6 +141,7 @@ class AttentionMetadata:
         covered = [False] * num_tokens
         last: list[int] = []
         decode: list[SeqBatchInfo] = []
+        flex_chunks: list[SeqBatchInfo] = []
         chunks: list[ContextChunk] = []
         max_rows = 0
         for s in seqs:
@@ -148,6 +164,9 @@ class AttentionMetadata:
             if n == 1:
                 decode.append(s)
                 continue
+            if flex and past > 0:
+                flex_chunks.append(s)
+                continue
             nb = -(-total // B)
             rows = None
             if past > 0:
@@ -169,6 +188,10 @@ class AttentionMetadata:
         if not all(covered):
             raise ValueError("flat batch has rows that belong to no sequence")
 
+        plan = None
+        if flex:
+            plan = build_plan(decode, flex_chunks, B, num_blocks, windows, device)
+            decode = []
         groups = [
             _decode_group(g, B, num_blocks, windows, dtype, device, num_planes)
             for g in _split_decode(decode, B, block_bytes, group_bytes)
@@ -188,6 +211,7 @@ class AttentionMetadata:
             context_chunks=chunks,
             max_gather_rows=max_rows,
             decode_gather_rows=torch.cat([g.gather_rows for g in groups]) if groups else None,
+            flex=plan,
         )
 
 

@@ -11,19 +11,25 @@ Parameters use the model dtype (fp32 on CPU, bf16 on CUDA by default); logits co
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import flex_attention
 from .attention import PagedAttention, Workspace
 from .batch import GROUP_GATHER_BYTES, AttentionMetadata, SeqBatchInfo
 from .config import ModelConfig
-from .layers import GatedMLP, RMSNorm, RotaryEmbedding, _empty
+from .layers import (GatedMLP, PrepackedLinears, RMSNorm, RotaryEmbedding, _empty, can_prepack, linear,
+                     prepack_weight)
 
 if TYPE_CHECKING:
     from ..kv_pool import KVPool
+
+
+log = logging.getLogger(__name__)
 
 
 class WeightLoadError(ValueError):
@@ -130,9 +136,29 @@ class DecoderLM(nn.Module):
             RotaryEmbedding(rope, rope.rotary_dim or config.head_dim, device=device) for rope in config.ropes
         )
         self.workspace = Workspace()
+        self._lm_head_packed: torch.Tensor | None = None
         # Byte cap of one decode group's per-layer K/V gather (see batch.py); tunable.
         self.decode_group_bytes = GROUP_GATHER_BYTES
         self.token_tile = TOKEN_TILE  # tunable, see DecoderLayer
+        # "sdpa" (gather + SDPA) or "flex" (FlexAttention over the pool in place, flex_attention.py).
+        self.attention_backend = "sdpa"
+        if self.flex_capable:
+            self.set_attention_backend(flex_attention.default_backend(self.device))
+
+    @property
+    def flex_capable(self) -> bool:
+        """Every layer is plain paged GQA attention (not MLA, not gpt-oss's sinks)."""
+        return all(type(layer.attn).attend is PagedAttention.attend for layer in self.layers)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """"sdpa" or "flex"; "flex" needs a flex-capable model and FlexAttention on this device
+        (on CUDA also tokens per block a multiple of 16, checked at the first step)."""
+        if backend not in flex_attention.BACKENDS:
+            raise ValueError(f"attention backend must be one of {flex_attention.BACKENDS}, got {backend!r}")
+        if backend == "flex" and not (self.flex_capable and flex_attention.flex_supported(self.device)):
+            log.warning("flex attention is not available for this model on %s; using sdpa", self.device)
+            backend = "sdpa"
+        self.attention_backend = backend
 
     # ----------------------------------------------------------------- hooks
 
@@ -181,11 +207,32 @@ class DecoderLM(nn.Module):
             cfg.kv_planes, cfg.cache_heads, cfg.cache_head_dim
         ):
             raise ValueError(f"{kv_pool!r} does not match the model's KV cache shape")
+        backend = self.attention_backend
+        if backend == "flex" and self.device.type == "cuda" and not flex_attention.cuda_block_ok(kv_pool.tokens_per_block):
+            log.warning("flex attention needs tokens_per_block a multiple of 16 on CUDA (got %d); using sdpa",
+                        kv_pool.tokens_per_block)
+            backend = self.attention_backend = "sdpa"
+        try:
+            return self._forward(input_ids, positions, seqs, kv_pool, backend, all_logits, on_layer)
+        except flex_attention.FlexUnavailable as e:
+            if not getattr(e, "before_first_layer", True):
+                raise
+            # The kernel failed to compile or run before any layer finished (nothing sent by
+            # on_layer yet): run this step and every later one with gather + SDPA.
+            log.warning("%s; falling back to the sdpa attention backend", e)
+            self.attention_backend = "sdpa"
+            return self._forward(input_ids, positions, seqs, kv_pool, "sdpa", all_logits, on_layer)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, seqs: Sequence[SeqBatchInfo],
+                 kv_pool: KVPool, backend: str, all_logits: bool,
+                 on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        cfg = self.config
         T = input_ids.shape[0]
         meta = AttentionMetadata.build(
             seqs, T, kv_pool.tokens_per_block, kv_pool.num_blocks, cfg.layer_windows, self.device,
             block_bytes=kv_pool.num_planes * kv_pool.block_numel * kv_pool.kv.element_size(),
             group_bytes=self.decode_group_bytes, dtype=self.dtype, num_planes=kv_pool.num_planes,
+            backend=backend,
         )
         if positions is not None and not torch.equal(positions.to(self.device), meta.positions):
             raise ValueError("positions disagree with the sequences' past_len")
@@ -196,12 +243,16 @@ class DecoderLM(nn.Module):
         h = self.embed(input_ids)  # [T, H]
         cos_sin = [r.cos_sin(meta.positions, self.dtype) for r in self.rotaries]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, meta, kv_pool.kv[i], self.workspace, self.token_tile)
+            try:
+                h = layer(h, cos_sin, meta, kv_pool.kv[i], self.workspace, self.token_tile)
+            except flex_attention.FlexUnavailable as e:
+                e.before_first_layer = i == 0
+                raise
             if on_layer is not None:
                 on_layer(i + 1)
         if not all_logits:
             h = h.index_select(0, meta.last_token_index)  # [num_seqs, H]
-        logits = F.linear(self.norm(h), self.lm_head_weight).float()  # [rows, V]
+        logits = linear(self.norm(h), self.lm_head_weight, None, self._lm_head_packed).float()  # [rows, V]
         cap = cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -243,3 +294,14 @@ class DecoderLM(nn.Module):
             missing.discard(name)
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensor {sorted(missing)[0]!r} ({len(missing)} missing)")
+        self.prepack_linears()
+
+    def prepack_linears(self) -> None:
+        """Give the CPU GEMM library its own layout of every dense projection (attention,
+        MLP, LM head) once the weights are final; a no-op off CPU. Called by load_weights: code
+        that changes weights afterwards must call it again."""
+        for m in self.modules():
+            if isinstance(m, PrepackedLinears):
+                m.prepack()
+        w = self.lm_head_weight
+        self._lm_head_packed = prepack_weight(w) if can_prepack(w) else None
