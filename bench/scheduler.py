@@ -16,28 +16,45 @@ Python port measured 17.4 ms per iteration (10.5 ms fused, 2.9 ms compiled with 
 The scheduler is imported as ``pdserve.scheduler``, so ``PYTHONPATH`` can point this script at
 another checkout (a worktree of older code) to time it on the same shapes; the first line printed
 names the package timed.
+
+``--vllm-venv PATH`` also times vLLM's own v1 scheduler (``vllm.v1.core.sched.scheduler.Scheduler``)
+on each shape, in a subprocess running that virtualenv's python (vLLM never enters pdserve's):
+this script with ``--vllm-child``, which imports no pdserve. Its state: the decoding requests
+prefilled and decoded a few steps through the scheduler itself (fake model outputs, one token per
+request), their KV allocated, and the new requests waiting, half of them sharing a block-aligned
+half of a decoding request's prompt; the same block size, block count, token budget (chunked
+prefill) and max_num_seqs = N, prefix caching on, stats logging off (the scheduler's least work).
+Each timed step is ``schedule()``, then its bookkeeping ``update_from_output()`` with a fake
+output (one token per request past its prompt); between steps, untimed, the requests that were
+waiting are aborted and as many fresh ones queued, so every step starts from the same shape. It
+prints the medians (wall and thread CPU time) beside pdserve's worst-policy median on that shape,
+and their ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
-import pdserve.scheduler
-from pdserve.scheduler import (
-    CapacityScheduler,
-    CapacitySchedulerPolicy,
-    ContextChunkingConfig,
-    ContextChunkingPolicy,
-    KVCacheManager,
-    LlmRequest,
-    LlmRequestState,
-    MicroBatchScheduler,
-    SimpleScheduler,
-)
+# Run by vLLM's python (--vllm-child), this script must not import pdserve: it is not installed there.
+if "--vllm-child" not in sys.argv:
+    import pdserve.scheduler
+    from pdserve.scheduler import (
+        CapacityScheduler,
+        CapacitySchedulerPolicy,
+        ContextChunkingConfig,
+        ContextChunkingPolicy,
+        KVCacheManager,
+        LlmRequest,
+        LlmRequestState,
+        MicroBatchScheduler,
+        SimpleScheduler,
+    )
 
 SIZES = (64, 256, 1024, 4096)
 NUM_BLOCKS = 65_536
@@ -121,11 +138,13 @@ def time_step(n: int, policy: CapacitySchedulerPolicy, repeats: int,
               decoding: int | None = None) -> dict:
     scheduler, active = build(n, policy, decoding=decoding)
     out = scheduler.schedule(active, set())  # warm caches (per-request block keys)
-    samples = []
+    samples, cpu_samples = [], []
+    cpu = time.thread_time_ns  # CPU time: what other processes on the machine do not inflate
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
+        c0, t0 = cpu(), time.perf_counter_ns()
         out = scheduler.schedule(active, set())
         samples.append((time.perf_counter_ns() - t0) / 1000.0)
+        cpu_samples.append((cpu() - c0) / 1000.0)
     # The two passes alone, as SimpleScheduler.schedule runs them.
     capacity, micro = scheduler.capacity_scheduler, scheduler.micro_batch_scheduler
     kv, empty = scheduler.kv_cache_manager, frozenset()
@@ -143,6 +162,7 @@ def time_step(n: int, policy: CapacitySchedulerPolicy, repeats: int,
         "decoding": n // 2 if decoding is None else decoding,
         "policy": policy.name,
         "median_us": statistics.median(samples),
+        "median_cpu_us": statistics.median(cpu_samples),
         "p90_us": sorted(samples)[int(0.9 * (len(samples) - 1))],
         "capacity_us": statistics.median(capacity_samples),
         "micro_batch_us": statistics.median(micro_samples),
@@ -150,6 +170,166 @@ def time_step(n: int, policy: CapacitySchedulerPolicy, repeats: int,
         "generation": len(out.generation_requests),
         "paused": len(out.paused_requests),
     }
+
+
+# ---- vLLM's scheduler on the same shapes (--vllm-venv) --------------------------------------------
+_VLLM_MARKER = "VLLM_SCHEDULER_RESULT "
+
+
+def vllm_child(spec: dict) -> dict:
+    """Under vLLM's python: time its v1 scheduler on each shape in ``spec`` (see the docstring).
+    Imports vLLM only; returns {"vllm": version, "rows": [...]}."""
+    import gc
+    import tempfile
+
+    import torch
+    import vllm
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    b, num_blocks, budget = spec["tokens_per_block"], spec["num_blocks"], spec["max_num_tokens"]
+    max_model_len = 4096
+    # A model folder with only a config: the scheduler never loads weights or a tokenizer.
+    folder = tempfile.mkdtemp(prefix="vllm-sched-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                   "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                   "max_position_embeddings": max_model_len, "vocab_size": 32000,
+                   "rms_norm_eps": 1e-6, "torch_dtype": "float32"}, f)
+    rows = []
+    for n, decoding in spec["shapes"]:
+        cache_config = CacheConfig(block_size=b, enable_prefix_caching=True)
+        config = VllmConfig(
+            model_config=ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32",
+                                     seed=0, max_model_len=max_model_len),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=n, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                enable_chunked_prefill=True, is_encoder_decoder=False),
+            cache_config=cache_config,
+        )
+        cache_config.num_gpu_blocks = num_blocks
+        kv_config = KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
+                block_size=b, num_kv_heads=1, head_size=1, dtype=torch.float32))],
+        )
+        sched = Scheduler(vllm_config=config, kv_cache_config=kv_config,
+                          structured_output_manager=StructuredOutputManager(config),
+                          block_size=b, log_stats=False)
+        hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(b, hash_fn)
+        rng = random.Random(spec["seed"])
+        serial = iter(range(1 << 62))
+        # Decoding requests never finish during the run; new ones are aborted after one step.
+        long_params = SamplingParams(max_tokens=max_model_len - 600, ignore_eos=True)
+        new_params = SamplingParams(max_tokens=512, ignore_eos=True)
+
+        def request(prompt: list[int], params: SamplingParams) -> Request:
+            return Request(str(next(serial)), prompt, params, None, block_hasher=hasher)
+
+        def fake_output(out) -> ModelRunnerOutput:
+            # One token for each request past its prompt; a partial prefill samples nothing.
+            ids = list(out.num_scheduled_tokens)
+            live = sched.requests
+            tokens = [[rng.randrange(3, 32000)] if live[i].num_computed_tokens >= live[i].num_tokens
+                      else [] for i in ids]
+            return ModelRunnerOutput(req_ids=ids, req_id_to_index={i: k for k, i in enumerate(ids)},
+                                     sampled_token_ids=tokens)
+
+        prompts = []
+        for _ in range(decoding):
+            prompts.append([rng.randrange(3, 32000) for _ in range(rng.randint(64, 512))])
+            sched.add_request(request(prompts[-1], long_params))
+        prefill_steps = 0
+        while sched.waiting or any(r.num_output_tokens == 0 for r in sched.running):
+            out = sched.schedule()
+            sched.update_from_output(out, fake_output(out))
+            prefill_steps += 1
+        for _ in range(8):  # a few decode steps: generated tokens, as pdserve's set-up has
+            out = sched.schedule()
+            sched.update_from_output(out, fake_output(out))
+
+        def queue_new() -> list[str]:
+            ids = []
+            for k in range(n - decoding):
+                length = rng.randint(64, 512)
+                if k % 2 == 0 and prompts:  # half share a block-aligned half of a prompt
+                    shared = rng.choice(prompts)
+                    cut = (len(shared) // 2) // b * b
+                    prompt = shared[:cut] + [rng.randrange(3, 32000) for _ in range(length - cut)]
+                else:
+                    prompt = [rng.randrange(3, 32000) for _ in range(length)]
+                req = request(prompt, new_params)
+                sched.add_request(req)
+                ids.append(req.request_id)
+            return ids
+
+        waiting = queue_new()
+        gc.collect()
+        gc.freeze()  # as vLLM's engine core does after start-up
+        times, updates, cpu_times, cpu_updates, first = [], [], [], [], None
+        clock, cpu = time.perf_counter_ns, time.thread_time_ns
+        for step in range(spec["warmup"] + spec["repeats"]):
+            assert len(sched.running) == decoding and len(sched.waiting) == n - decoding
+            c0, t0 = cpu(), clock()
+            out = sched.schedule()
+            c1, t1 = cpu(), clock()
+            model_output = fake_output(out)
+            c2, t2 = cpu(), clock()
+            sched.update_from_output(out, model_output)
+            c3, t3 = cpu(), clock()
+            if step >= spec["warmup"]:
+                times.append((t1 - t0) / 1000.0)
+                updates.append((t3 - t2) / 1000.0)
+                cpu_times.append((c1 - c0) / 1000.0)
+                cpu_updates.append((c3 - c2) / 1000.0)
+                if first is None:
+                    first = (len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
+            # Untimed: the step's new requests out, as many fresh ones in (the same shape).
+            sched.finish_requests(waiting, RequestStatus.FINISHED_ABORTED)
+            waiting = queue_new()
+        gc.unfreeze()
+        rows.append({
+            "active": n, "decoding": decoding, "prefill_steps": prefill_steps,
+            "schedule_us": statistics.median(times),
+            "schedule_p90_us": sorted(times)[int(0.9 * (len(times) - 1))],
+            "update_us": statistics.median(updates),
+            "step_us": statistics.median(a + u for a, u in zip(times, updates)),
+            "schedule_cpu_us": statistics.median(cpu_times),
+            "step_cpu_us": statistics.median(a + u for a, u in zip(cpu_times, cpu_updates)),
+            "scheduled_requests": first[0], "scheduled_tokens": first[1],
+        })
+    return {"vllm": vllm.__version__, "rows": rows}
+
+
+def time_vllm(venv: str, shapes: list[tuple[int, int]], repeats: int) -> dict:
+    """Run ``vllm_child`` under ``venv``'s python; its result, or SystemExit with its stderr."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        raise SystemExit(f"--vllm-venv {venv}: no {python}")
+    spec = {"shapes": shapes, "repeats": repeats, "warmup": 3, "seed": 0,
+            "tokens_per_block": TOKENS_PER_BLOCK, "num_blocks": NUM_BLOCKS,
+            "max_num_tokens": MAX_NUM_TOKENS}
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    env.pop("PYTHONPATH", None)  # pdserve's path means nothing to vLLM's venv
+    proc = subprocess.run(
+        [python, os.path.abspath(__file__), "--vllm-child", json.dumps(spec)],
+        capture_output=True, text=True, env=env,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith(_VLLM_MARKER):
+            return json.loads(line[len(_VLLM_MARKER):])
+    tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-20:])
+    raise SystemExit(f"vLLM's scheduler run failed (exit {proc.returncode}) under {python}:\n{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +345,17 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true",
         help="after the table, print a cProfile top list per size, shape and policy",
     )
+    parser.add_argument(
+        "--vllm-venv", metavar="PATH",
+        help="also time vLLM's v1 scheduler on the same shapes, in a subprocess of this "
+        "virtualenv's python, and print the ratio",
+    )
+    parser.add_argument("--vllm-repeats", type=int, default=30, help="timed vLLM steps per shape")
+    parser.add_argument("--vllm-child", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.vllm_child:
+        print(_VLLM_MARKER + json.dumps(vllm_child(json.loads(args.vllm_child))), flush=True)
+        return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     shapes = args.decoding.split(",")
     rows = []
@@ -197,9 +387,29 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(r["median_us"] for r in rows if r["active"] == 1024)
         print(f"TensorRT-LLM's Python port: 17,400 us per iteration ({17400 / worst:.1f}x the "
               f"worst median here)")
+    vllm_rows = []
+    if args.vllm_venv:
+        shapes = list(dict.fromkeys((r["active"], r["decoding"]) for r in rows))
+        result = time_vllm(args.vllm_venv, shapes, args.vllm_repeats)
+        print(f"\nvLLM {result['vllm']} v1 Scheduler ({args.vllm_venv}), same shapes, "
+              f"{args.vllm_repeats} steps each: medians, wall / thread CPU time; "
+              f"ratio = vLLM / pdserve's worst policy")
+        print(f"{'active':>7} {'decode':>6} {'pdserve us':>12} {'vLLM schedule() us':>19} "
+              f"{'ratio':>11} {'+ update_from_output()':>23} {'ratio':>11}")
+        for v in result["rows"]:
+            mine = [r for r in rows if (r["active"], r["decoding"]) == (v["active"], v["decoding"])]
+            worst = max(mine, key=lambda r: r["median_us"])
+            wall, cpu = worst["median_us"], worst["median_cpu_us"]
+            v["pdserve_worst_us"], v["pdserve_worst_cpu_us"] = wall, cpu
+            vllm_rows.append(v)
+            print(f"{v['active']:>7} {v['decoding']:>6} {wall:>5.0f} / {cpu:<4.0f} "
+                  f"{v['schedule_us']:>8.0f} / {v['schedule_cpu_us']:<8.0f} "
+                  f"{v['schedule_us'] / wall:>4.1f}x/{v['schedule_cpu_us'] / cpu:<4.1f}x "
+                  f"{v['step_us']:>10.0f} / {v['step_cpu_us']:<10.0f} "
+                  f"{v['step_us'] / wall:>4.1f}x/{v['step_cpu_us'] / cpu:<4.1f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "scheduler_step", "rows": rows}, f, indent=2)
+            json.dump({"benchmark": "scheduler_step", "rows": rows, "vllm": vllm_rows}, f, indent=2)
     if args.profile:
         for n in sizes:
             for shape in shapes:

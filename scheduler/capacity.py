@@ -19,6 +19,12 @@ pool's ``start_scheduling`` and ``scheduling_remove_sequence``. Requests and the
 are read through their public fields. tests/unit/test_capacity_differential.py compares every
 decision and side effect with the implementation before this one (a frozen copy).
 
+Speed (bench/scheduler.py): with a fast view and no cross pool, the common requests (generating
+with one beam and no LoRA, contexts without LoRA) take short paths inside each policy's loop,
+and a generating request's blocks are counted at an upper bound that the view gives until a test
+fails on the bound; only then are the exact figures asked for, so every decision is the one the
+exact figures make. Everything else takes the general path.
+
 Pure Python, stdlib only.
 """
 from __future__ import annotations
@@ -126,6 +132,9 @@ class CapacityScheduler:
         self.no_schedule_after_state = LlmRequestState(no_schedule_after_state)
         self.enable_prefix_aware_scheduling = enable_prefix_aware_scheduling
         self._kinds = _state_kinds(self.no_schedule_until_state, self.no_schedule_after_state)
+        # The states of the two common kinds: a set test is cheaper than a lookup and a compare.
+        self._running_states = frozenset(s for s, k in self._kinds.items() if k == _RUNNING)
+        self._context_states = frozenset(s for s, k in self._kinds.items() if k == _CONTEXT)
         self._reorder_policy: ReorderPolicy | None = None
 
     def set_reorder_policy(self, policy: ReorderPolicy | None) -> None:
@@ -198,13 +207,13 @@ class CapacityScheduler:
         walk_cross = cross_view is not None and cross_view.reuse_walk
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
-        kinds = self._kinds
+        context_states = self._context_states
         # Context requests not on their first chunk (is_first_context_chunk, without the
         # property); the kind first: most requests are not contexts.
         executing = [
             req
             for req in requests
-            if kinds[req.state] == _CONTEXT
+            if req.state in context_states
             and req.context_current_position != req.prepopulated_prompt_len
         ]
         prefix_summary = view.prefix_summary
@@ -239,13 +248,32 @@ class CapacityScheduler:
         pending: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
         claimed_peft = 0
-        admitted = 0
 
         # Pass 1: running requests are admitted unconditionally and their remaining blocks
         # reserved even past zero; transfer-in-progress ones hold a slot and KV, never returned.
+        # Fast view, no cross pool: a running request of beam 1 without LoRA takes a short path
+        # (``lean``) and its blocks are not asked for: the budget, which only pass 2 reads, is
+        # charged for all of them after the pass, at the view's upper bound on their blocks
+        # while the bound passes every test, exactly once a test fails on it (``charged`` then
+        # None), so each test decides as the exact budget would.
         admit, defer, defer_gen_init = fitting.append, pending.append, pending_gen_init.append
+        total_to_completion = view.total_blocks_to_completion if cross_view is None else None
+        fast = total_to_completion is not None
+        lean_states = self._running_states if fast else frozenset()
+        exact: set[LlmRequest] = set()  # running requests of the general path (asked for)
+        admitted = 0
         unvisited: Sequence[LlmRequest] = ()
         for req in requests:
+            if (
+                req.state in lean_states
+                and req.beam_width == 1
+                and req.lora_task_id is None
+                and admitted < cap
+            ):
+                req.estimated_reusable_tokens = 0  # what its estimate sets
+                admit(req)
+                admitted += 1
+                continue
             kind = kinds[req.state]
             if kind == _SKIP:
                 continue
@@ -254,6 +282,7 @@ class CapacityScheduler:
                 break
             if kind == _RUNNING:
                 admit(req)
+                exact.add(req)
             elif kind == _GEN_INIT:
                 defer_gen_init(req)
                 continue
@@ -273,6 +302,13 @@ class CapacityScheduler:
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
+        charged = None
+        if len(fitting) > len(exact):
+            # The short path's requests, in order: the running requests in ``fitting`` (only
+            # running requests are there yet) less those the general path took.
+            lean = [r for r in fitting if r not in exact] if exact else fitting[:]
+            charged = view.blocks_to_completion_bound(lean)  # type: ignore[misc]
+            available -= charged
 
         # Pass 2: gen-init first, then the rest; each list is its own break scope, so a KV misfit
         # among gen-init requests does not stop context candidates.
@@ -289,8 +325,41 @@ class CapacityScheduler:
             )
         prefix_summary = view.prefix_summary
         cross_prefix_summary = cross_view.prefix_summary if cross_view is not None else None
+        # Fast view, no cross pool, LoRA pages not over budget: a context request without LoRA
+        # takes a short path with the general path's tests in its order (skip, cap, blocks).
+        lean_contexts = self._context_states if fast and available_peft >= 0 else frozenset()
+        prompt_to_completion = view.prompt_blocks_to_completion
+        unwalked = _ZERO_SUMMARY if not prefix_aware else None
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
+                if req.state in lean_contexts and req.lora_task_id is None:
+                    block = None
+                    if req.context_current_position == req.prepopulated_prompt_len:
+                        summary = prefix_summary(req) if walk_self else unwalked
+                        if skipping and summary is not None:
+                            block = summary.first_new_block
+                            if block is not None and block in contributed:
+                                continue
+                        if admitted >= cap:
+                            break
+                        need = prompt_to_completion(req, summary)
+                    else:
+                        if admitted >= cap:
+                            break
+                        need = to_completion(req, None)
+                    if need > available:
+                        if charged is None:
+                            break
+                        available += charged - total_to_completion(lean)  # type: ignore[misc]
+                        charged = None
+                        if need > available:
+                            break
+                    available -= need
+                    out.append(req)
+                    admitted += 1
+                    if block is not None:
+                        contributed.add(block)
+                    continue
                 kind = kinds[req.state]
                 summary = cross_summary = block = cross_block = None
                 position = req.context_current_position
@@ -326,7 +395,12 @@ class CapacityScheduler:
                 if kind == _CONTEXT or kind == _GEN_INIT:
                     need = to_completion(req, summary)
                     if need > available:
-                        break
+                        if charged is None:
+                            break
+                        available += charged - total_to_completion(lean)  # type: ignore[misc]
+                        charged = None
+                        if need > available:
+                            break
                     if cross:
                         cross_need = cross_to_completion(req, cross_summary)
                         if cross_need > cross_available:
@@ -365,11 +439,14 @@ class CapacityScheduler:
         if cross_kv is not None:
             cross_kv.start_scheduling()
         one_step, generation_step = view.blocks_one_step, view.generation_step_blocks
+        prompt_step = view.prompt_step_blocks
         has_free, free_count = view.scheduling_has_free_blocks, view.scheduling_free_blocks
         two_steps = self.two_steps_look_ahead
         max_peft = peft.max_device_pages if peft is not None else _INT_MAX
         prefix_aware = self.enable_prefix_aware_scheduling
         walk_self = prefix_aware and view.reuse_walk
+        # A first chunk's summary when none is walked.
+        unwalked = _ZERO_SUMMARY if not prefix_aware else None
         # Cross summaries never take part in skipping here: only the self set is kept
         # (scheduling.md 2.7).
         skipping = self._skipping_is_relevant(view, cross_view)
@@ -387,20 +464,75 @@ class CapacityScheduler:
         if cross_view is not None:
             cross_one_step = cross_view.blocks_one_step
             cross_has_free = cross_view.scheduling_has_free_blocks
-        admitted = 0
+        transfers = 0  # transfer-in-progress requests admitted: a slot each, listed nowhere
         # The fast view's free test is a comparison with the count (SchedulingView).
         free = free_count() if free_count is not None else None
         admit, admit_gen_init = fitting.append, gen_init.append
+
+        # Fast view, no cross pool: the common kinds take a short path. A generating request of
+        # beam 1 without drafts or LoRA is admitted at the view's bound on its need while the
+        # bound fits, without asking; the needs are asked for, and replace the bounds, only when
+        # a free test fails on them, before anyone is paused. Every test that passes on the
+        # bounds passes on the needs, so each decision is the one asking would make. Those
+        # requests are the generating ones in fitting[resolved:] less ``exact`` (the general
+        # path's). A context request without LoRA is tested here too; whatever does not pass
+        # these short tests takes the general path below, which decides it from scratch. The
+        # short paths test i < cap for the request cap (admitted <= i), and a pause turns them
+        # off, so only the general path meets the end a pause sets.
+        bounded = cross_view is None and view.generation_step_max is not None and free is not None
+        bound = view.generation_step_max[1 if two_steps else 0] if bounded else 0  # type: ignore
+        resolved = 0
+        exact: set[LlmRequest] = set()
+        running_states = self._running_states
+        # The states that take a short path.
+        lean_running = running_states if bounded else frozenset()
+        lean_context = self._context_states if bounded else frozenset()
+        # No short-path admission once the LoRA pages are over budget (transfer-in-progress
+        # requests claim theirs untested).
+        lean_cap = cap if max_peft >= 0 else -1
+
         end = len(requests)
-        for i in range(end):
+        for i, req in enumerate(requests):
+            if req.state in lean_running:
+                if (
+                    i < lean_cap
+                    and req.beam_width == 1
+                    and not req.draft_tokens
+                    and req.lora_task_id is None
+                    and scheduled + bound <= free
+                ):
+                    req.estimated_reusable_tokens = 0  # what asking for its need sets
+                    scheduled += bound
+                    admit(req)
+                    continue
+            elif req.state in lean_context:
+                if i < lean_cap and req.lora_task_id is None:
+                    block = None
+                    if req.context_current_position == req.prepopulated_prompt_len:
+                        summary = prefix_summary(req) if walk_self else unwalked
+                        if summary is not None:
+                            block = summary.first_new_block
+                            if skipping and block is not None and block in contributed:
+                                continue  # skipped, not paused
+                        need = prompt_step(req, summary)
+                    else:
+                        need = one_step(req, two_steps)  # a later chunk: its blocks are held
+                    if scheduled + need <= free:
+                        admit(req)
+                        scheduled += need
+                        if block is not None and skipping:
+                            contributed.add(block)
+                        continue
+                    # Not on the bounds: the general path asks again (same answers) and pauses.
+
             if i >= end:  # pauses cut the round short
                 break
-            req = requests[i]
             kind = kinds[req.state]
+            admitted = len(fitting) + len(gen_init) + transfers
             task = req.lora_task_id
             new_task = task is not None and task not in seen_tasks
             block = None
-            if kind == _RUNNING:  # most requests: no summary, nothing to skip
+            if kind == _RUNNING:  # no summary, nothing to skip
                 pass
             elif kind == _SKIP:
                 continue
@@ -412,7 +544,8 @@ class CapacityScheduler:
                     seen_tasks.add(task)
                     if peft is not None:
                         scheduled_peft += peft.determine_num_pages(req)
-                admitted += 1
+                        lean_cap = cap if scheduled_peft <= max_peft else -1
+                transfers += 1
                 continue
             else:
                 summary = None
@@ -453,6 +586,19 @@ class CapacityScheduler:
             else:
                 room = fits = False
             while not fits:
+                if bounded and room and len(fitting) > resolved:
+                    # Maybe only the bounds do not fit: the needs of the requests admitted at
+                    # the bound replace them (asked in admission order), then the same test.
+                    lazy = [
+                        r for r in fitting[resolved:] if r.state in running_states and r not in exact
+                    ]
+                    excess = bound * len(lazy) - sum([generation_step(r, two_steps) for r in lazy])
+                    resolved = len(fitting)
+                    exact.clear()
+                    scheduled -= excess
+                    total -= excess
+                    fits = total <= free  # type: ignore[operator]
+                    continue
                 victim = self._last_started(requests, i, end)
                 if victim < 0:
                     return CapacityOutput(fitting, gen_init, paused)  # head-of-line blocking
@@ -462,6 +608,7 @@ class CapacityScheduler:
                     cross_kv.scheduling_remove_sequence(paused_req.request_id)
                 paused.append(paused_req)
                 end = victim  # it and everything after it are out of this round
+                lean_running = lean_context = frozenset()  # the general path tests the end
                 if victim == i:
                     return CapacityOutput(fitting, gen_init, paused)  # it paused itself
                 if room:  # then not encoder-init, which fits whenever there is room
@@ -476,10 +623,11 @@ class CapacityScheduler:
                 admit_gen_init(req)
             else:
                 admit(req)
+                if kind == _RUNNING:
+                    exact.add(req)  # its need is in ``scheduled``, not a bound
             scheduled = total
             if cross:
                 cross_scheduled = cross_total
-            admitted += 1
             if new_task:
                 scheduled_peft += required_peft
                 seen_tasks.add(task)

@@ -5,7 +5,9 @@ NamedTuple of functions (``SchedulingView``), and the two ways of making one.
   configuration and live state. These closures are the only copy of the block formulas of
   scheduling.md 2.4, 2.6 and 2.7 (with the prefix credit of scheduling.md 2.9): the manager's
   estimate methods (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``)
-  compute through one.
+  compute through one. Two closures repeat the one-beam, no-window case of
+  ``blocks_to_completion`` inline for speed (``prompt_blocks_to_completion``,
+  ``total_blocks_to_completion``); the capacity differential test holds them to it.
 * ``public_scheduling_view(manager)``: the same view over any object with the public names of
   the contract (docs/design.md section 11), calling those names: a subclass, a test double.
 
@@ -15,7 +17,8 @@ Pure Python, stdlib only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from .kv_prefix_reuse import PrefixReuseSummary
 from .request import LlmRequest, LlmRequestState
@@ -31,6 +34,8 @@ _GEN_IN_PROGRESS = (
     _S.DISAGG_GENERATION_TRANS_COMPLETE,
 )
 _NO_LIMIT = 1 << 62  # a token count no request reaches
+_prompt_len = attrgetter("prompt_len")
+_max_new_tokens = attrgetter("max_new_tokens")
 
 
 class SchedulingView(NamedTuple):
@@ -59,6 +64,9 @@ class SchedulingView(NamedTuple):
     ``prompt_step_blocks(request, summary=None)``
         ``blocks_one_step`` for a request on its first context chunk or in generation-init,
         whose need look-ahead does not change (a public view asks without it).
+    ``prompt_blocks_to_completion(request, summary=None)``
+        ``blocks_to_completion`` for a context request on its first chunk (the caller has
+        tested state and position).
     ``num_free_blocks()``
         ``get_num_free_blocks``: what GUARANTEED_NO_EVICT starts its budget from
         (scheduling.md 2.3).
@@ -76,6 +84,17 @@ class SchedulingView(NamedTuple):
         (scheduling.md 2.9).
     ``variable_window``
         the pool's ``is_variable_window``: prefix-aware skipping is off when a pool has one.
+    ``generation_step_max``
+        the most ``generation_step_blocks`` returns for a request of beam width 1 without draft
+        tokens, (without, with) two-step look-ahead: a loop may count such a request at this
+        bound and ask for its need only when the bound does not fit. None where every request
+        must be asked (a public view: a double sees every call).
+    ``total_blocks_to_completion(requests)``
+        ``sum(blocks_to_completion(r) for r in requests)`` with the same effects, in one call
+        (GUARANTEED_NO_EVICT's running requests); None on a public view.
+    ``blocks_to_completion_bound(requests)``
+        an upper bound of ``total_blocks_to_completion(requests)`` for requests of beam width 1,
+        from their token counts alone (no effects, no sequence read); None on a public view.
 
     ``summary`` is the request's prefix summary; a formula computes it when None and a credit
     applies, and a public view passes it on only when not None. Each estimate sets
@@ -92,11 +111,15 @@ class SchedulingView(NamedTuple):
     blocks_one_step: Callable[..., int]
     generation_step_blocks: Callable[[LlmRequest, bool], int]
     prompt_step_blocks: Callable[..., int]
+    prompt_blocks_to_completion: Callable[..., int]
     num_free_blocks: Callable[[], int]
     scheduling_has_free_blocks: Callable[[int], bool]
     scheduling_free_blocks: Callable[[], int] | None
     reuse_walk: bool
     variable_window: bool
+    generation_step_max: tuple[int, int] | None = None
+    total_blocks_to_completion: Callable[[Sequence[LlmRequest]], int] | None = None
+    blocks_to_completion_bound: Callable[[Sequence[LlmRequest]], int] | None = None
 
 
 def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -> SchedulingView:
@@ -113,6 +136,8 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
     temporary_window = kv.temporary_attention_window
     # The window's max token count; no window: more tokens than a request can have.
     max_token_num = kv.max_token_num if kv.max_token_num is not None else _NO_LIMIT
+    # The most prompt tokens whose blocks a context keeps (W + the temporary window).
+    ctx_window = w + temporary_window if w is not None else _NO_LIMIT
     is_cross = kv.is_cross
     variable_window = bool(kv.is_variable_window)
     # Held matched blocks are credited against a first chunk's need: one block key cannot stand
@@ -154,7 +179,6 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
     def blocks_to_completion(
         request: LlmRequest, summary: PrefixReuseSummary | None = None
     ) -> int:
-        request.estimated_reusable_tokens = 0
         p = request.prompt_len
         # per_beam: the blocks one beam holds at completion; its context's full blocks are shared.
         if w is None:
@@ -167,13 +191,15 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
                 if max_blocks > -(-request.get_num_tokens(0) // b) and max_blocks > per_beam:
                     per_beam += 1  # the window slides: a block is allocated before one is detached
         seq = seqs_get(request.request_id)
-        if seq is not None and request.beam_width == 1:
-            # The beam-1 return below; no credit, which needs nothing allocated yet.
-            return per_beam - len(seq.beams[0])
-        alloc = 0 if seq is None else len(seq.beams[0])
-        ctx_tokens = p if w is None else min(p, w + temporary_window)
-        ctx_blocks = (ctx_tokens + s) // b  # full blocks only
-
+        beam = request.beam_width
+        if seq is None:
+            alloc = 0
+        else:
+            alloc = len(seq.beams[0])
+            if beam == 1:
+                # The return below for one beam; no credit, which needs nothing allocated.
+                request.estimated_reusable_tokens = 0
+                return per_beam - alloc
         reusable_ctx = 0
         if (
             alloc == 0
@@ -181,18 +207,19 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
             and request.state in context_init
             and request.context_current_position == request.prepopulated_prompt_len
         ):
+            ctx_blocks = ((p if p < ctx_window else ctx_window) + s) // b  # full blocks only
             if summary is None:
                 summary = summary_for(request)
             held = summary.reusable_blocks_allocated
             reusable_ctx = held if held < ctx_blocks else ctx_blocks
             # Free cached blocks save compute but not blocks: they already count as free.
             matched = summary.reusable_blocks_all
-            estimated = (matched if matched < ctx_blocks else ctx_blocks) * b
-            request.estimated_reusable_tokens = estimated
-
-        beam = request.beam_width
+            request.estimated_reusable_tokens = (matched if matched < ctx_blocks else ctx_blocks) * b
+        else:
+            request.estimated_reusable_tokens = 0
         if beam == 1:
-            return per_beam - reusable_ctx - alloc  # what both lines below give for one beam
+            return per_beam - reusable_ctx - alloc  # what the lines below give for one beam
+        ctx_blocks = ((p if p < ctx_window else ctx_window) + s) // b
         eff_ctx = ctx_blocks - reusable_ctx
         if alloc < eff_ctx:
             # The beams share the context blocks still to allocate; each grows its own tail.
@@ -235,6 +262,30 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
     to_completion = cross_blocks_to_completion if is_cross else blocks_to_completion
     generation_step = cross_generation_step_blocks if is_cross else generation_step_blocks
 
+    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
+        # The prompt (cross pool: the encoder output) and draft tokens, capped by the window.
+        length = request.encoder_output_len if is_cross else request.prompt_len
+        drafts = request.draft_tokens
+        if drafts:
+            length += len(drafts)
+        if w is not None:
+            # TensorRT-LLM names max_new_tokens "chunkSize" here.
+            length = min(length, w + request.max_new_tokens)
+        length += s
+        shared = length // b
+        # The last partial block is written by every beam, so each beam gets its own.
+        need = shared + (request.beam_width if length % b else 0)
+        if reuse_credit and request.state != generation_init:
+            if summary is None:
+                summary = summary_for(request)
+            held = summary.reusable_blocks_allocated
+            need -= held if held < shared else shared
+            matched = summary.reusable_blocks_all
+            request.estimated_reusable_tokens = (matched if matched < shared else shared) * b
+        else:
+            request.estimated_reusable_tokens = 0
+        return need
+
     def blocks_one_step(
         request: LlmRequest, two_steps_look_ahead: bool, summary: PrefixReuseSummary | None = None
     ) -> int:
@@ -243,35 +294,55 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
             state in context_init
             and request.context_current_position == request.prepopulated_prompt_len
         ):
-            # The prompt (cross pool: the encoder output) and draft tokens, capped by the window.
-            length = request.encoder_output_len if is_cross else request.prompt_len
-            drafts = request.draft_tokens
-            if drafts:
-                length += len(drafts)
-            if w is not None:
-                # TensorRT-LLM names max_new_tokens "chunkSize" here.
-                length = min(length, w + request.max_new_tokens)
-            length += s
-            shared = length // b
-            # The last partial block is written by every beam, so each beam gets its own.
-            need = shared + (request.beam_width if length % b else 0)
-            estimated = 0
-            if reuse_credit and state != generation_init:
-                if summary is None:
-                    summary = summary_for(request)
-                held = summary.reusable_blocks_allocated
-                need -= held if held < shared else shared
-                matched = summary.reusable_blocks_all
-                estimated = (matched if matched < shared else shared) * b
-            request.estimated_reusable_tokens = estimated
-            return need
+            return prompt_step_blocks(request, summary)
         if state in gen_in_progress:
             return generation_step(request, two_steps_look_ahead)
         request.estimated_reusable_tokens = 0  # later context chunks: their blocks are held
         return 0
 
-    def prompt_step_blocks(request: LlmRequest, summary: PrefixReuseSummary | None = None) -> int:
-        return blocks_one_step(request, False, summary)
+    def prompt_blocks_to_completion(
+        request: LlmRequest, summary: PrefixReuseSummary | None = None
+    ) -> int:
+        if w is not None or not reuse_credit or request.beam_width != 1 or seqs_get(
+            request.request_id
+        ) is not None:
+            return blocks_to_completion(request, summary)
+        # blocks_to_completion's credited return for one beam, no window, nothing allocated.
+        p = request.prompt_len
+        ctx_blocks = (p + s) // b
+        if summary is None:
+            summary = summary_for(request)
+        held = summary.reusable_blocks_allocated
+        matched = summary.reusable_blocks_all
+        request.estimated_reusable_tokens = (matched if matched < ctx_blocks else ctx_blocks) * b
+        return (p + request.max_new_tokens + round_up) // b - (
+            held if held < ctx_blocks else ctx_blocks
+        )
+
+    def total_blocks_to_completion(requests: Sequence[LlmRequest]) -> int:
+        if w is not None:
+            return sum([blocks_to_completion(request) for request in requests])
+        total = 0
+        for request in requests:
+            seq = seqs_get(request.request_id)
+            if seq is not None and request.beam_width == 1:
+                # blocks_to_completion's beam-1 return without a window, inline: a running
+                # request's case.
+                request.estimated_reusable_tokens = 0
+                total += (request.prompt_len + request.max_new_tokens + round_up) // b - len(
+                    seq.beams[0]
+                )
+            else:
+                total += blocks_to_completion(request)
+        return total
+
+    def blocks_to_completion_bound(requests: Sequence[LlmRequest]) -> int:
+        # One beam holds per_beam <= (P + N + round_up) // B blocks at completion (one more
+        # while a window slides) and nothing held or credited is negative; a sum of floors is
+        # at most the floor of the sum.
+        n = len(requests)
+        tokens = sum(map(_prompt_len, requests)) + sum(map(_max_new_tokens, requests))
+        return (tokens + n * round_up) // b + (n if w is not None else 0)
 
     return SchedulingView(
         encoder_prefix_summary if encoder_tokens else prefix_summary,
@@ -279,11 +350,17 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
         blocks_one_step,
         generation_step,
         prompt_step_blocks,
+        to_completion if is_cross else prompt_blocks_to_completion,
         kv.get_num_free_blocks,
         kv.scheduling_has_free_blocks,
         kv.get_scheduling_num_free_blocks,
         bool(kv.enable_block_reuse) and not variable_window,
         variable_window,
+        # ceil(nxt / B) - ceil(cur / B) <= ceil((nxt - cur) / B): one step adds one token, two
+        # add two; a cross pool never grows.
+        (0, 0) if is_cross else (1, 1 if b > 1 else 2),
+        None if is_cross else total_blocks_to_completion,
+        None if is_cross else blocks_to_completion_bound,
     )
 
 
@@ -331,6 +408,7 @@ def public_scheduling_view(manager: Any, *, encoder_tokens: bool = False) -> Sch
         blocks_one_step,
         generation_step_blocks,
         prompt_step_blocks,
+        blocks_to_completion,
         num_free_blocks,
         scheduling_has_free_blocks,
         None,

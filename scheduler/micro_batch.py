@@ -132,6 +132,8 @@ class MicroBatchScheduler:
         self.no_schedule_after_state = LlmRequestState(no_schedule_after_state)
         self._kinds_band: tuple[int, int] | None = None
         self._kinds = _Kinds()
+        self._generation_states: frozenset = frozenset()
+        self._context_states: frozenset = frozenset()
 
     def schedule(
         self,
@@ -145,44 +147,66 @@ class MicroBatchScheduler:
         if self._kinds_band != band:  # the band attributes are public: rebuilt if reassigned
             self._kinds = _state_kinds(*band)
             self._kinds_band = band
+            # The states of the two common kinds: a set test costs less than lookup and compare.
+            self._generation_states = frozenset(
+                st for st, k in self._kinds.items() if k == _GENERATION
+            )
+            self._context_states = frozenset(st for st, k in self._kinds.items() if k == _CONTEXT)
         kinds = self._kinds
+        generation_states, context_states = self._generation_states, self._context_states
         max_ctx = self.max_context_length
         chunk_config = self.ctx_chunk_config
 
         encoder_requests: list[LlmRequest] = []
         context_requests: list[LlmRequest] = []
         generation_requests: list[LlmRequest] = []
-        # Contexts to chunk, with their remaining length and first-chunk reuse credit.
-        to_chunk: list[LlmRequest] = []
-        remainings: list[int] = []
-        reusables: list[int] = []
+        # Contexts to chunk: (request, remaining length, first-chunk reuse credit).
+        to_chunk: list[tuple[LlmRequest, int, int]] = []
         batch_tokens = 0
         chunked_tokens = 0
         count = 0
         scheduled_beam = 0
         num_drafts = 0  # draft tokens among the contexts to chunk
+        long_context = False  # one has more left than max_context_length
         all_fit = True
 
         token_limit = max_num_tokens if max_num_tokens is not None else _NO_LIMIT
+        ctx_limit = max_ctx if max_ctx is not None else _NO_LIMIT
+        # The batch-size cap binds only when more requests than it allows come in (reaching it
+        # on the last one stops nothing), so then the loop need not count.
+        counting = not (
+            isinstance(active_requests, (list, tuple)) and len(active_requests) <= max_batch_size
+        )
         take_generation = generation_requests.append
+        beam_limit = token_limit  # set with scheduled_beam (no request has beam width 0)
+        take_context = to_chunk.append
         for req in active_requests:
             if inflight and req.request_id in inflight:
                 continue
-            kind = kinds[req.state]
-            if kind == _GENERATION:  # the most common kind first; _PASS last
-                beam = req.beam_width  # get_beam_width_by_iter(): one width for every iteration
-                drafts = req.draft_tokens
-                cost = beam + (len(drafts) if drafts else 0)
-                if batch_tokens + cost > token_limit:
-                    break
-                if scheduled_beam == 0:
-                    scheduled_beam = beam
-                elif beam != scheduled_beam:
-                    # One beam width per batch; a mismatch is skipped and not counted.
-                    continue
-                take_generation(req)
-                batch_tokens += cost
-            elif kind == _CONTEXT:
+            state = req.state
+            if state in generation_states:  # the most common kind first; _PASS last
+                # get_beam_width_by_iter(): one width for every iteration.
+                if req.beam_width == scheduled_beam and not req.draft_tokens:
+                    # The common case: it costs the batch's beam width.
+                    if batch_tokens > beam_limit:
+                        break
+                    take_generation(req)
+                    batch_tokens += scheduled_beam
+                else:
+                    beam = req.beam_width
+                    drafts = req.draft_tokens
+                    cost = beam + len(drafts) if drafts else beam
+                    if batch_tokens + cost > token_limit:
+                        break
+                    if scheduled_beam == 0:
+                        scheduled_beam = beam
+                        beam_limit = token_limit - beam  # batch_tokens + beam > token_limit
+                    elif beam != scheduled_beam:
+                        # One beam width per batch; a mismatch is skipped and not counted.
+                        continue
+                    take_generation(req)
+                    batch_tokens += cost
+            elif state in context_states:
                 # Request fields read directly (context_remaining_length, is_first_context_chunk,
                 # num_draft_tokens): this loop runs for every fitting request on every step.
                 position = req.context_current_position
@@ -194,8 +218,18 @@ class MicroBatchScheduler:
                 else:
                     reusable = 0
                 drafts = req.draft_tokens
-                num_draft = len(drafts) if drafts else 0
-                if chunk_config is None:
+                if not drafts and chunk_config is not None:
+                    # The common case: the last branch below without drafts.
+                    cost = remaining - reusable if reusable > 0 else remaining
+                    if cost > ctx_limit:
+                        cost = ctx_limit
+                        all_fit = False
+                    if remaining > ctx_limit:
+                        long_context = True
+                    take_context((req, remaining, reusable))
+                    chunked_tokens += cost
+                elif chunk_config is None:
+                    num_draft = len(drafts) if drafts else 0
                     num_tokens = req.get_num_tokens(0)
                     cost = max(1, reuse_adjusted_compute(num_tokens, reusable, remaining) + num_draft)
                     if max_ctx is not None and cost > max_ctx:
@@ -211,16 +245,17 @@ class MicroBatchScheduler:
                     # Tentatively the whole rest of the prompt: the last chunk, so drafts ride
                     # along. reuse_adjusted_compute(remaining, reusable, remaining), where
                     # reusable <= remaining.
+                    num_draft = len(drafts)
                     cost = (remaining - reusable if reusable > 0 else remaining) + num_draft
-                    if max_ctx is not None and max_ctx < cost:
-                        cost = max_ctx
+                    if cost > ctx_limit:
+                        cost = ctx_limit
                         all_fit = False
-                    to_chunk.append(req)
-                    remainings.append(remaining)
-                    reusables.append(reusable)
+                    if remaining > ctx_limit:
+                        long_context = True
+                    take_context((req, remaining, reusable))
                     chunked_tokens += cost
                     num_drafts += num_draft
-            elif kind == _ENCODER:
+            elif kinds[state] == _ENCODER:
                 cost = req.encoder_output_len
                 if max_ctx is not None and cost > max_ctx:
                     raise ValueError(
@@ -233,9 +268,10 @@ class MicroBatchScheduler:
                 batch_tokens += cost
             else:  # _PASS: outside the band, or a state no micro-batch takes
                 continue
-            count += 1
-            if count >= max_batch_size:
-                break
+            if counting:
+                count += 1
+                if count >= max_batch_size:
+                    break
 
         if max_num_tokens is not None and chunked_tokens > max_num_tokens - batch_tokens:
             all_fit = False
@@ -244,35 +280,39 @@ class MicroBatchScheduler:
             all_fit = False
 
         if all_fit:
-            for req, remaining in zip(to_chunk, remainings):
+            for req, remaining, _ in to_chunk:
                 if remaining >= 0:  # the context_chunk_size setter without its state check
                     req._context_chunk_size = remaining
                 else:
                     req.context_chunk_size = remaining  # rejected there
-            context_requests.extend(to_chunk)
+                context_requests.append(req)
             context_requests = _sort_by_lora(context_requests)
         else:
             if chunk_config is None:
                 raise ValueError("context requests do not fit and context chunking is off")
             capacity = max_num_tokens - batch_tokens if max_num_tokens is not None else None
-            chunks = _size_chunks(
-                to_chunk, remainings, reusables, chunk_config.policy, capacity,
-                chunk_config.chunk_unit_size, max_ctx, fit_drafts=num_drafts > 0,
-            )
             # Contexts finishing this step go last, so the executor can move them to the front
             # of the generation list.
             not_last: list[LlmRequest] = []
             last: list[LlmRequest] = []
-            for req, chunk, remaining in zip(to_chunk, chunks, remainings):
-                # The context_chunk_size setter's clamp without its checks: the state is a
-                # context-init one by construction; a negative size goes to the setter, which
-                # rejects it.
-                if chunk >= 0:
-                    req._context_chunk_size = chunk if chunk < remaining else remaining
-                else:
-                    req.context_chunk_size = chunk
-                if chunk > 0:
-                    (last if chunk == remaining else not_last).append(req)
+            if (
+                chunk_config.policy == ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+                and capacity is not None
+                and not num_drafts
+                and not long_context
+            ):
+                # The common configuration, in one pass (no draft to fit, no chunk capped).
+                _first_come_first_served_in_place(
+                    to_chunk, capacity, chunk_config.chunk_unit_size, not_last, last
+                )
+            else:
+                chunked, remainings, reusables = zip(*to_chunk) if to_chunk else ((), (), ())
+                chunks = _size_chunks(
+                    chunked, remainings, reusables, chunk_config.policy, capacity,
+                    chunk_config.chunk_unit_size, max_ctx, fit_drafts=num_drafts > 0,
+                )
+                for req, chunk, remaining in zip(chunked, chunks, remainings):
+                    _place_chunk(req, chunk, remaining, not_last, last)
             context_requests = _sort_by_lora(not_last) + _sort_by_lora(last)
         if encoder_requests:
             context_requests = _sort_by_lora(encoder_requests) + context_requests
@@ -362,6 +402,55 @@ def _chunk_equal_progress(
             # Raw increment, not the compute one: a fully cached chunk still counts as progress.
             progress += actual - past
     return chunks
+
+
+def _place_chunk(
+    req: LlmRequest, chunk: int, remaining: int, not_last: list[LlmRequest], last: list[LlmRequest]
+) -> None:
+    """Set a scheduled context's chunk and list it (last chunks apart)."""
+    # The context_chunk_size setter's clamp without its checks: the state is a context-init one
+    # by construction; a negative size goes to the setter, which rejects it.
+    if chunk >= 0:
+        req._context_chunk_size = chunk if chunk < remaining else remaining
+    else:
+        req.context_chunk_size = chunk
+    if chunk > 0:
+        (last if chunk == remaining else not_last).append(req)
+
+
+def _first_come_first_served_in_place(
+    to_chunk: Sequence[tuple[LlmRequest, int, int]],
+    capacity: int,
+    unit: int,
+    not_last: list[LlmRequest],
+    last: list[LlmRequest],
+) -> None:
+    """``_chunk_first_come_first_served`` then ``_place_chunk`` for each (request, remaining,
+    credit), in one pass, where no max_context_length caps a chunk: the chunk is the whole rest
+    when its cost fits the budget left, else the budget on the unit grid."""
+    for req, suggested, reusable in to_chunk:
+        if reusable <= 0:
+            if suggested <= capacity:
+                chunk = suggested
+            else:  # a trimmed chunk is not the last one: on the unit grid
+                chunk = (capacity if capacity > 0 else 0) // unit * unit
+            capacity -= chunk
+        else:
+            # With credit, the whole rest costs ``tail`` (reuse_adjusted_compute).
+            tail = suggested - reusable if suggested > reusable else 0
+            if tail <= capacity:
+                chunk = suggested
+                capacity -= tail
+            else:
+                chunk = (capacity if capacity > 0 else 0) // unit * unit
+                capacity -= chunk if reusable + chunk < suggested else tail
+        if chunk > 0:
+            req._context_chunk_size = chunk if chunk < suggested else suggested
+            (last if chunk >= suggested else not_last).append(req)
+        elif chunk == 0:
+            req._context_chunk_size = 0
+        else:
+            req.context_chunk_size = chunk  # rejected there
 
 
 def _chunk_first_come_first_served(
