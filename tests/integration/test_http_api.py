@@ -97,6 +97,15 @@ def test_openai_client_completions_and_chat_match_grpc_and_the_engine(cluster, m
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # One chunk per step that made a token, text or not (the byte-level vocabulary has ids with no
+    # text and bytes that end no character): usage so far grows by one token a chunk, as in vLLM.
+    counted = list(oa.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, stream=True,
+                                         stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                         extra_body=IGNORE_EOS))
+    steps = [c.usage.completion_tokens for c in counted if c.choices and c.choices[0].finish_reason is None]
+    assert steps[:23] == list(range(1, 24)), steps
+    assert any(c.choices[0].text == "" for c in counted if c.choices and c.choices[0].finish_reason is None)
+    assert "".join(c.choices[0].text for c in counted if c.choices) == expected
 
     # A text prompt: the same tokens as gRPC gives for the same text.
     _, grpc_out, grpc_usage = grpc_text(cluster, "The quick brown fox", 20, ignore_eos=True)

@@ -283,7 +283,10 @@ class OpenAIServer:
                     if not deltas and logprobs is not None:
                         await resp.write(sse(chunk_json(kind, rid, created, model, logprobs=logprobs,
                                                         index=index)))
-                elif text or logprobs is not None or prompt_lps is not None:
+                elif text or logprobs is not None or prompt_lps is not None or (item.token_ids and not ended):
+                    # A token whose text is held back (part of a UTF-8 character, a token with no
+                    # text) still gets its chunk, with empty text, as vLLM sends it: a client timing
+                    # tokens by chunks then sees every step. The last one rides on the finish chunk.
                     await resp.write(sse(chunk_json(kind, rid, created, model, text=text,
                                                     logprobs=logprobs, prompt_logprobs=prompt_lps,
                                                     index=index)))
