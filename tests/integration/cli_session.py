@@ -36,10 +36,14 @@ def free_port() -> int:
 API_KEY = "pdk-cli-session-5Gm8Nc2Vb"  # must appear in no output and no log
 
 
-def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], workdir: Path) -> None:
+def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], workdir: Path,
+                                    model: str | None = None, model_dir: Path | None = None) -> None:
     """Runs the whole session with the ``pdserve`` command line ``pdserve`` (an argv prefix),
     every process started in ``workdir``; asserts what a user would check by eye. The router
-    requires an API key (from a key file); clients pass it by flag or by PDSERVE_API_KEY."""
+    requires an API key (from a key file); clients pass it by flag or by PDSERVE_API_KEY.
+
+    ``model``: launched with ``--model model`` (else the built-in model); the launch must report
+    it, resolved to ``model_dir``, and the OpenAI door must list it and serve requests naming it."""
     env = {k: v for k, v in env.items() if k != "PDSERVE_API_KEY"}
     outputs: list[str] = []
 
@@ -57,7 +61,7 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         launch = subprocess.Popen(
             [*pdserve, "launch", "--port", str(port), "--http-port", str(http_port), "--tokens-per-block", "8",
              "--num-kv-blocks", "128", "--capacity-scheduler-policy", "MAX_UTILIZATION",
-             "--api-key-file", str(key_file)],
+             "--api-key-file", str(key_file), *(["--model", model] if model else [])],
             stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=workdir)
     try:
         ready, _, _ = select.select([launch.stdout], [], [], 240)
@@ -70,8 +74,15 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         assert info["security"] == {"api_keys": 1, "tls": False, "mutual_tls": False,
                                     "max_inflight_per_key": None, "warnings": []}
         outputs.append(line)
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        if model:
+            assert info["model"] == model and info["model_dir"] == str(model_dir)
+            models = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/models", headers=auth)
+            with urllib.request.urlopen(models, timeout=60) as resp:
+                assert [m["id"] for m in json.loads(resp.read())["data"]] == [model]  # as vLLM
         # The OpenAI-compatible door, as the README's curl line uses it.
-        body = json.dumps({"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        body = json.dumps({"prompt": "hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                           **({"model": model} if model else {})})
         request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body.encode(),
                                          {"Content-Type": "application/json"})
         try:
@@ -79,7 +90,7 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
             raise AssertionError("a request without the API key was served")
         except urllib.error.HTTPError as exc:
             assert exc.code == 401 and json.loads(exc.read())["error"]["code"] == "invalid_api_key"
-        request.add_header("Authorization", f"Bearer {API_KEY}")
+        request.add_header("Authorization", auth["Authorization"])
         with urllib.request.urlopen(request, timeout=120) as resp:
             completion = json.loads(resp.read())
         assert completion["usage"]["completion_tokens"] == 4 and completion["choices"][0]["finish_reason"] == "length"

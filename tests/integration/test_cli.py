@@ -1,5 +1,11 @@
 """The command line as users type it, through ``python -m pdserve``: `pdserve launch` in the
-foreground, then `generate`, `status` and `shutdown` from other processes."""
+foreground, then `generate`, `status` and `shutdown` from other processes.
+
+The launch serves a model by its Hub name, `--model org/tiny`, from an offline Hugging Face cache
+built here (HF_HUB_OFFLINE=1, HF_HOME and HF_HUB_CACHE pointed at it, and no org/tiny folder in
+the working directory): the launch resolves the name for the router, each Ray worker resolves it
+from its own cache, and the HTTP door serves it as "org/tiny". One launch covers both (each is a
+cold start of Ray and its workers); the built-in model's launch is test_packaging's session."""
 from __future__ import annotations
 
 import os
@@ -10,6 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cli_session import launch_generate_status_shutdown  # noqa: E402
+from hub_cache import add_to_hub_cache  # noqa: E402
+
+from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "pdserve"]
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
@@ -25,8 +34,16 @@ def test_python_dash_m_pdserve_is_the_pdserve_script():
     assert unknown.returncode == 2 and "unknown command 'no-such-command'" in unknown.stderr
 
 
-def test_launch_generate_status_shutdown(tmp_path):
-    launch_generate_status_shutdown(PDSERVE, ENV, tmp_path)
+def test_launch_generate_status_shutdown_of_a_model_by_hub_name(tmp_path):
+    tiny = make_tiny_model(tmp_path / "src" / "tiny", seed=11)
+    hf_home = tmp_path / "hf"
+    snapshot = add_to_hub_cache(tiny, "org/tiny", hf_home / "hub")
+    work = tmp_path / "work"  # no org/tiny directory here: the name must go through the cache
+    work.mkdir()
+    env = {k: v for k, v in ENV.items() if k not in ("RAY_ADDRESS", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home), HF_HUB_CACHE=str(hf_home / "hub"),
+               PDSERVE_RUNTIME_DIR=str(tmp_path / "runtime"))
+    launch_generate_status_shutdown(PDSERVE, env, work, model="org/tiny", model_dir=snapshot)
 
 
 def test_bad_security_flags_are_refused_before_anything_starts(tmp_path):

@@ -1,7 +1,11 @@
 """The cluster end to end: a local Ray cluster on 127.0.0.1, worker actors, the gRPC router.
 
-One Ray instance serves the module; each test launches the pdserve actors it needs and kills
-only those. Outputs are compared token for token with the in-process engine on the same model.
+One Ray instance serves the module. A test that needs particular settings (or a cluster that
+has served nothing: exact transfer and pause figures, a fresh router's dispatch log or KV index)
+launches the pdserve actors it needs and kills only those; the tests at the end share one
+default 1P1D cluster (each launch costs seconds of actor start-up), each counting only what its
+own requests change. Outputs are compared token for token with the in-process engine on the same
+model.
 """
 from __future__ import annotations
 
@@ -33,25 +37,54 @@ from pdserve.cluster.rpc import router_pb2 as pb  # noqa: E402
 from pdserve.cluster.rpc import router_pb2_grpc  # noqa: E402
 from cluster_util import drain  # noqa: E402
 
+# A Ray of its own (conftest): the pause test sums its figures from Ray's metrics endpoint, which
+# shows every actor the Ray instance has hosted.
+OWN_RAY = True
 ENGINE = dict(tokens_per_block=4, max_batch_size=8, max_num_tokens=64,
               context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=8, num_kv_blocks=256)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+def _launch(model_dir, **kwargs):
+    kwargs.setdefault("engine", ENGINE)
+    router = kwargs.pop("router", RouterConfig())
+    return launch(LaunchConfig(model=str(model_dir), router=dataclasses.replace(router, port=0), **kwargs))
+
+
+@pytest.fixture(scope="module")
+def _held(ray_cluster):
+    """The shared default cluster while one is up (one pdserve cluster per Ray at a time: actor
+    names are fixed)."""
+    held: dict = {}
+    yield held
+    if held.get("cluster") is not None:
+        held.pop("cluster").shutdown()
+
+
 @pytest.fixture
-def cluster(ray_cluster, model_dir):
+def cluster(_held, model_dir):
+    """``launch(**kwargs)``: a fresh cluster for this test, shut down after it."""
+    if _held.get("cluster") is not None:
+        _held.pop("cluster").shutdown()
     started = []
 
-    def _launch(**kwargs):
-        kwargs.setdefault("engine", ENGINE)
-        router = kwargs.pop("router", RouterConfig())
-        cl = launch(LaunchConfig(model=str(model_dir), router=dataclasses.replace(router, port=0), **kwargs))
+    def launch_one(**kwargs):
+        cl = _launch(model_dir, **kwargs)
         started.append(cl)
         return cl
 
-    yield _launch
+    yield launch_one
     for cl in started:
         cl.shutdown()
+
+
+@pytest.fixture
+def default_cluster(_held, model_dir):
+    """The module's default 1P1D cluster (ENGINE, the default router), launched on first use and
+    shared by the tests after; each leaves it drained."""
+    if _held.get("cluster") is None:
+        _held["cluster"] = _launch(model_dir)
+    return _held["cluster"]
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -147,31 +180,6 @@ def test_2p2d_matches_engine_and_spreads_work(cluster, model_dir):
     _wait_drained(cl.port)
 
 
-def test_health_reflection_and_validation(cluster):
-    cl = cluster(num_context_workers=1, num_generation_workers=1)
-
-    async def check():
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
-            names = set()
-            async for response in call:
-                names |= {s.name for s in response.list_services_response.service}
-                break
-            assert "pdserve.v1.Router" in names
-            stub = router_pb2_grpc.RouterStub(channel)
-            bad = Client.build_request([1, 2, 3], max_tokens=4, top_p=1.5)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await drain(stub.Generate(bad, timeout=10))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "sampling.top_p" in err.value.details()
-
-    asyncio.run(check())
-
-
 def test_agent_tree_order_decides_dispatch_when_saturated(cluster):
     # One request in flight at a time: the queue builds, and each dispatch round the agent tree
     # (agent_percentage 1.0) puts agent requests first, ordered by their node id.
@@ -229,8 +237,33 @@ def test_conditional_disaggregation_sends_short_prompts_to_the_generation_worker
     _wait_drained(cl.port)
 
 
-def test_abort_mid_decode_frees_blocks_on_both_workers(cluster):
-    cl = cluster()
+def test_health_reflection_and_validation(default_cluster):
+    cl = default_cluster
+
+    async def check():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="pdserve.v1.Router"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = set()
+            async for response in call:
+                names |= {s.name for s in response.list_services_response.service}
+                break
+            assert "pdserve.v1.Router" in names
+            stub = router_pb2_grpc.RouterStub(channel)
+            bad = Client.build_request([1, 2, 3], max_tokens=4, top_p=1.5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await drain(stub.Generate(bad, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling.top_p" in err.value.details()
+
+    asyncio.run(check())
+
+
+def test_abort_mid_decode_frees_blocks_on_both_workers(default_cluster):
+    cl = default_cluster
 
     async def run():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
@@ -288,8 +321,9 @@ def _metric_sum(text: str, name: str, **tags) -> float:
     return total
 
 
-def test_client_cancellation_reaches_the_workers(cluster):
-    cl = cluster()
+def test_client_cancellation_reaches_the_workers(default_cluster):
+    cl = default_cluster
+    completed_before = _status(cl.port).totals.completed
 
     async def run():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cl.port}") as channel:
@@ -305,11 +339,12 @@ def test_client_cancellation_reaches_the_workers(cluster):
 
     asyncio.run(run())
     status = _wait_drained(cl.port)
-    assert status.totals.completed == 0 and status.totals.in_flight == 0
+    assert status.totals.completed == completed_before and status.totals.in_flight == 0
 
 
-def test_a_sync_client_that_stops_reading_cancels_the_request(cluster):
-    cl = cluster()
+def test_a_sync_client_that_stops_reading_cancels_the_request(default_cluster):
+    cl = default_cluster
+    completed_before = _status(cl.port).totals.completed
     with Client(f"127.0.0.1:{cl.port}") as client:
         stream = client.generate_stream(_prompts(1, seed=12)[0], max_tokens=900, request_id="left",
                                         **GREEDY)
@@ -320,15 +355,19 @@ def test_a_sync_client_that_stops_reading_cancels_the_request(cluster):
                 break
         stream.close()  # what leaving the loop does once the generator is collected
     status = _wait_drained(cl.port)
-    assert status.totals.completed == 0 and status.totals.in_flight == 0
+    assert status.totals.completed == completed_before and status.totals.in_flight == 0
 
 
-def test_one_token_request_finishes_on_the_context_worker(cluster, model_dir):
-    cl = cluster()
+def test_one_token_request_finishes_on_the_context_worker(default_cluster, model_dir):
+    cl = default_cluster
+
+    def transfers(status) -> dict[str, int]:
+        return {w.worker_id: w.transfers.count for w in status.workers}
+
+    before = transfers(_wait_drained(cl.port))
     prompts = _prompts(3, seed=9)
     results = asyncio.run(_generate_all(cl.port, prompts, 1))
     assert [t for t, _ in results] == _reference(model_dir, prompts, 1)
     status = _wait_drained(cl.port)
-    gen = next(w for w in status.workers if w.worker_id == "gen-0")
-    ctx = next(w for w in status.workers if w.worker_id == "ctx-0")
-    assert gen.transfers.count == 0 and ctx.transfers.count == 0  # nothing to hand off
+    assert set(before) == {"ctx-0", "gen-0"}
+    assert transfers(status) == before  # nothing to hand off

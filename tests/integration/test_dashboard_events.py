@@ -26,6 +26,8 @@ import pytest
 from cluster_util import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+# A Ray of its own (conftest): the dashboard's task and actor lists show all its Ray has run.
+OWN_RAY = True
 
 GEN_ENGINE = dict(capacity_scheduler_policy="MAX_UTILIZATION", num_kv_blocks=24)
 NUM_REQUESTS = 12

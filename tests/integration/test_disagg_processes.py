@@ -5,6 +5,10 @@ Covers token parity with the in-process engine, a peer killed mid-transfer (in b
 lease expiry, generation-side prefix reuse cutting the bytes sent, and a full generation KV
 pool holding DISAGG_GENERATION_INIT requests until blocks free up. Every test ends with the
 survivors drained: free blocks == total and no invariant violation.
+
+The first tests share one pair with the default settings (``pair``: each process start costs
+seconds of imports), each counting only the transfers its own requests make and using request ids
+of its own; the tests that stall, kill or resize a worker spawn their own.
 """
 from __future__ import annotations
 
@@ -62,10 +66,7 @@ def model_dir(tmp_path_factory) -> Path:
                            num_heads=4, num_kv_heads=2, vocab_size=384, seed=3)
 
 
-@pytest.fixture
-def spawn(model_dir, tmp_path):
-    started: list[Worker] = []
-
+def _spawner(model_dir: Path, tmp_path: Path, started: list[Worker]):
     def _spawn(role: str, worker_id: str, *, engine=None, peers=None, **opts) -> Worker:
         cmd = [sys.executable, "-m", "pdserve.workers.rpc_worker", "--role", role,
                "--worker-id", worker_id, "--model", str(model_dir),
@@ -87,9 +88,30 @@ def spawn(model_dir, tmp_path):
         started.append(worker)
         return worker
 
-    yield _spawn
+    return _spawn
+
+
+@pytest.fixture
+def spawn(model_dir, tmp_path):
+    started: list[Worker] = []
+    yield _spawner(model_dir, tmp_path, started)
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    """A context and a generation worker with the default settings, for the tests that neither
+    stall, kill nor resize a worker (each leaves both drained)."""
+    started: list[Worker] = []
+    spawn = _spawner(model_dir, tmp_path_factory.mktemp("pair"), started)
+    try:
+        ctx = spawn("context", "ctx-0")
+        gen = spawn("generation", "gen-0", peers={"ctx-0": "%s:%d" % ctx.client.address})
+        yield ctx, gen
+    finally:
+        for worker in started:
+            worker.stop()
 
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
@@ -136,9 +158,9 @@ def _wait_receiving(gen: Worker, request_id: int, timeout_s: float = 30.0) -> No
 _wait_drained = P.wait_drained
 
 
-def test_disaggregated_output_matches_the_in_process_engine(spawn, model_dir):
-    ctx = spawn("context", "ctx-0")
-    gen = spawn("generation", "gen-0", peers={"ctx-0": ctx.client.address[0] + f":{ctx.client.address[1]}"})
+def test_disaggregated_output_matches_the_in_process_engine(pair, model_dir):
+    ctx, gen = pair
+    gbefore, cbefore = gen.call("status")["transfers"], ctx.call("status")["transfers"]
     prompts = _prompts(8, seed=11)
     prompts.append(prompts[0][:] + [5, 6, 7])  # shares a prefix: reuse on both sides
     expected = [o.token_ids for o in LLM(model_dir, **ENGINE).generate(
@@ -153,22 +175,23 @@ def test_disaggregated_output_matches_the_in_process_engine(spawn, model_dir):
 
     assert got == expected
     gstatus, cstatus = _wait_drained(gen), _wait_drained(ctx)
-    assert gstatus["transfers"]["received"] == len(prompts)
-    assert cstatus["transfers"]["sent"] == len(prompts)
-    assert gstatus["transfers"]["bytes_received"] == cstatus["transfers"]["bytes_sent"] > 0
+    assert gstatus["transfers"]["received"] - gbefore["received"] == len(prompts)
+    assert cstatus["transfers"]["sent"] - cbefore["sent"] == len(prompts)
+    assert gstatus["transfers"]["bytes_received"] == cstatus["transfers"]["bytes_sent"]
+    assert (gstatus["transfers"]["bytes_received"] - gbefore["bytes_received"]
+            == cstatus["transfers"]["bytes_sent"] - cbefore["bytes_sent"] > 0)
 
 
-def test_seeded_sampling_draws_the_same_tokens_across_the_hand_off(spawn, model_dir):
+def test_seeded_sampling_draws_the_same_tokens_across_the_hand_off(pair, model_dir):
     # The first token is drawn on the context worker, the rest on the generation worker; draws
     # are keyed by (seed, position), so the tokens are the colocated engine's.
-    ctx = spawn("context", "ctx-0")
-    gen = spawn("generation", "gen-0", peers={"ctx-0": "%s:%d" % ctx.client.address})
+    ctx, gen = pair
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95, seed=77, ignore_eos=True)
     prompts = _prompts(4, seed=12)
     expected = [o.token_ids for o in LLM(model_dir, **ENGINE).generate(
         prompts, SamplingParams(max_tokens=MAX_NEW, **sampled))]
     got = []
-    for rid, p in enumerate(prompts):
+    for rid, p in enumerate(prompts, start=100):  # ids the pair has not seen
         _submit_context(ctx, rid, p, sampled)
         done = _context_result(ctx, rid)
         _submit_generation(gen, rid, p, done, sampling=sampled)
@@ -180,12 +203,11 @@ def test_seeded_sampling_draws_the_same_tokens_across_the_hand_off(spawn, model_
     _wait_drained(gen), _wait_drained(ctx)
 
 
-def test_generation_side_prefix_reuse_cuts_the_bytes_sent(spawn):
-    ctx = spawn("context", "ctx-0")
-    gen = spawn("generation", "gen-0", peers={"ctx-0": "%s:%d" % ctx.client.address})
+def test_generation_side_prefix_reuse_cuts_the_bytes_sent(pair):
+    ctx, gen = pair
     prompt = _prompts(1, seed=5, lo=21, hi=21)[0]  # 5 full blocks + 1 token with B = 4
     sizes = []
-    for rid in (1, 2):
+    for rid in (201, 202):  # ids the pair has not seen
         _submit_context(ctx, rid, prompt)
         done = _context_result(ctx, rid)
         _submit_generation(gen, rid, prompt, done)

@@ -1,9 +1,7 @@
-"""Models by Hub name and stored dtypes, end to end.
+"""Models by Hub name and stored dtypes.
 
-- `pdserve launch --model org/tiny` from an offline Hugging Face cache built here (HF_HUB_OFFLINE=1,
-  HF_HOME and HF_HUB_CACHE pointed at it): the launch resolves the name for the router, each Ray
-  worker resolves it from its own cache, the HTTP door serves it as "org/tiny", and `pdserve
-  generate` streams tokens. One launch.
+- `pdserve launch --model org/tiny` from an offline Hugging Face cache, end to end: that launch is
+  test_cli.py's session (one cold start of Ray and its workers serves both).
 - A bfloat16 checkpoint loads as bfloat16 (auto dtype), its tensors copied as stored, and
   generates what the float32 checkpoint cast to bfloat16 generates.
 - A checkpoint split into two shards (model.safetensors.index.json) loads, one file open at a
@@ -12,28 +10,17 @@
 from __future__ import annotations
 
 import json
-import os
-import select
-import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pdserve import LLM, SamplingParams
+from pdserve.workers import loader
+from pdserve.workers.loader import checkpoint_bytes, load_model
+from pdserve.workers.tiny_model import make_tiny_model
 
-from cli_session import free_port  # noqa: E402
-from hub_cache import add_to_hub_cache  # noqa: E402
-
-from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.workers import loader  # noqa: E402
-from pdserve.workers.loader import checkpoint_bytes, load_model  # noqa: E402
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
-
-PDSERVE = [sys.executable, "-m", "pdserve"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = ["hello there", "a paged KV cache"]
 
@@ -46,61 +33,6 @@ def tiny(tmp_path_factory) -> Path:
 def _generate(model, **engine) -> list[list[int]]:
     llm = LLM(model, num_kv_blocks=32, tokens_per_block=8, **engine)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
-def test_launch_serves_a_model_by_hub_name_from_an_offline_cache(tiny, tmp_path):
-    hf_home = tmp_path / "hf"
-    snapshot = add_to_hub_cache(tiny, "org/tiny", hf_home / "hub")
-    work = tmp_path / "work"  # no org/tiny directory here: the name must go through the cache
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PDSERVE_API_KEY", "RAY_ADDRESS", "HUGGINGFACE_HUB_CACHE")}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               HF_HOME=str(hf_home), HF_HUB_CACHE=str(hf_home / "hub"),
-               PDSERVE_RUNTIME_DIR=str(tmp_path / "runtime"))
-    port, http_port = free_port(), free_port()
-    log_path = tmp_path / "launch.log"
-    with open(log_path, "w") as log:
-        launch = subprocess.Popen(
-            [*PDSERVE, "launch", "--model", "org/tiny", "--port", str(port), "--http-port",
-             str(http_port), "--tokens-per-block", "8", "--num-kv-blocks", "64"],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=work)
-    try:
-        ready, _, _ = select.select([launch.stdout], [], [], 240)
-        assert ready, log_path.read_text()[-3000:]
-        line = launch.stdout.readline()
-        assert line, log_path.read_text()[-3000:]
-        info = json.loads(line)
-        assert info["model"] == "org/tiny" and info["model_dir"] == str(snapshot)
-        assert info["workers"] == ["ctx-0", "gen-0"]
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=60) as resp:
-            assert [m["id"] for m in json.loads(resp.read())["data"]] == ["org/tiny"]  # as vLLM
-        body = json.dumps({"model": "org/tiny", "prompt": "hello there", "max_tokens": 4,
-                           "temperature": 0, "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
-
-        out = subprocess.run([*PDSERVE, "generate", "--port", str(port), "--prompt", "hello there",
-                              "--max-tokens", "6", "--temperature", "0", "--ignore-eos"],
-                             capture_output=True, text=True, timeout=120, env=env, cwd=work)
-        assert out.returncode == 0, out.stderr
-        assert "finish=length tokens=6" in out.stdout and "ctx=ctx-0 gen=gen-0" in out.stdout
-
-        down = subprocess.run([*PDSERVE, "shutdown", "--port", str(port)], capture_output=True,
-                              text=True, timeout=120, env=env, cwd=work)
-        assert down.returncode == 0, down.stderr
-        assert launch.wait(timeout=120) == 0
-    finally:
-        if launch.poll() is None:
-            launch.terminate()  # launch stops its cluster and its Ray on SIGTERM
-            try:
-                launch.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                launch.kill()
-                launch.wait(timeout=30)
 
 
 def test_a_bfloat16_checkpoint_loads_as_stored_and_generates(tiny, tmp_path, monkeypatch):

@@ -2,7 +2,9 @@
 the context worker announces each request's last prefill chunk, the generation worker asks for
 the KV at once, and the send goes layer by layer while the forward writes it. Outputs are
 token-exact against the in-process engine, chunked prefills included (prompts longer than
-max_num_tokens); a cancel while a stream is on the wire leaves nothing held."""
+max_num_tokens); a cancel while a stream is on the wire leaves nothing held. The two 1P1D tests
+share one cluster (each counts only the transfers its own requests make); the 2P2D test comes
+last, on its own."""
 from __future__ import annotations
 
 import asyncio
@@ -37,8 +39,13 @@ def _ok(results: list[U.Result]) -> None:
     assert not bad, bad
 
 
-def test_layerwise_1p1d_is_token_exact_and_streams_during_prefill(cluster, model_dir):
-    cl = cluster(num_context_workers=1, num_generation_workers=1, router=LAYERWISE)
+def _added(after: dict, before: dict) -> dict:
+    """The counts ``after`` has over ``before`` (the outcomes of the requests made in between)."""
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def test_layerwise_1p1d_is_token_exact_and_streams_during_prefill(clusters, model_dir):
+    cl = clusters(num_context_workers=1, num_generation_workers=1, router=LAYERWISE)
     # Each last-chunk forward waits after its first layers until the generation side's KV
     # request has claimed the stream (this model's forward takes ~1 ms: without the hold the
     # request would usually come after it), so every send overlaps its prefill.
@@ -68,25 +75,14 @@ def test_layerwise_1p1d_is_token_exact_and_streams_during_prefill(cluster, model
     U.wait_drained(cl)
 
 
-def test_layerwise_2p2d_is_token_exact(cluster, model_dir):
-    cl = cluster(num_context_workers=2, num_generation_workers=2, router=LAYERWISE)
-    batch = _batch(12, seed=72)
-    results = U.burst(cl, "lw2", batch, 6)
-    _ok(results)
-    assert [r.tokens for r in results] == U.reference(model_dir, batch, 6)
-    assert {r.last.timings.ctx_worker for r in results} == {"ctx-0", "ctx-1"}
-    assert {r.last.timings.gen_worker for r in results} == {"gen-0", "gen-1"}
-    U.wait_drained(cl)
-
-
-def test_a_cancel_mid_stream_leaves_nothing_held(cluster, model_dir):
+def test_a_cancel_mid_stream_leaves_nothing_held(clusters, model_dir):
     """The last chunk's forward stops after 2 of 4 layers while its stream is on the wire (the
     generation side is receiving; layers 0-1 may have gone). The client cancels: the generation
     side cancels its receive and tells the context side, whose send stops waiting for the
     forward and ends the op at once (the rest as filler, then a CANCELLED trailer), so the
     generation side's blocks are freed. The context side's blocks stay held while its forward
     may still write them, and are freed after. The pair stays usable."""
-    cl = cluster(num_context_workers=1, num_generation_workers=1, router=LAYERWISE)
+    cl = clusters(num_context_workers=1, num_generation_workers=1, router=LAYERWISE)
     ctx = cl.workers["ctx-0"]
     ray.get(ctx.test_hook.remote("hold_stream", 2, 60.0, False), timeout=U.RAY_TIMEOUT_S)
     prompt = U.prompts(1, seed=73, lo=200, hi=200)[0]
@@ -94,13 +90,19 @@ def test_a_cancel_mid_stream_leaves_nothing_held(cluster, model_dir):
     def gen_status() -> dict:
         return ray.get(cl.workers["gen-0"].status.remote(), timeout=U.RAY_TIMEOUT_S)
 
+    def outcomes(st) -> dict[str, dict]:
+        return {w.worker_id: dict(w.transfers.outcomes) for w in st.workers}
+
+    before = outcomes(U.wait_drained(cl))  # the transfers of what this cluster served before
+
     def receiving() -> bool:
         states = ray.get(cl.workers["gen-0"].request_states.remote(), timeout=U.RAY_TIMEOUT_S)
         return "RECEIVING" in states.values()
 
     def gen_cancelled() -> bool:
         s = gen_status()
-        return (s["transfers"]["outcomes"] == {"CANCELLED": 1} and not s["requests_by_state"]
+        return (_added(s["transfers"]["outcomes"], before["gen-0"]) == {"CANCELLED": 1}
+                and not s["requests_by_state"]
                 and s["free_blocks"] == s["total_blocks"] and s["quarantined_blocks"] == 0)
 
     def ctx_side() -> tuple:  # read off the step loop, which the hold keeps busy
@@ -127,11 +129,24 @@ def test_a_cancel_mid_stream_leaves_nothing_held(cluster, model_dir):
     assert free < total
     ray.get(ctx.test_hook.remote("release_stream"), timeout=U.RAY_TIMEOUT_S)
     st = U.wait_drained(cl)
-    assert {w.worker_id: dict(w.transfers.outcomes) for w in st.workers} == {
+    after = outcomes(st)
+    assert set(after) == set(before) == {"ctx-0", "gen-0"}
+    assert {w: _added(after[w], before[w]) for w in after} == {
         "ctx-0": {"CANCELLED": 1}, "gen-0": {"CANCELLED": 1}}
     ray.get(ctx.test_hook.remote("hold_stream", 0, 0.0, False), timeout=U.RAY_TIMEOUT_S)
     again = U.prompts(3, seed=74)
     results = U.burst(cl, "after", again, 4)
     _ok(results)
     assert [r.tokens for r in results] == U.reference(model_dir, again, 4)
+    U.wait_drained(cl)
+
+
+def test_layerwise_2p2d_is_token_exact(clusters, model_dir):
+    cl = clusters(num_context_workers=2, num_generation_workers=2, router=LAYERWISE)
+    batch = _batch(12, seed=72)
+    results = U.burst(cl, "lw2", batch, 6)
+    _ok(results)
+    assert [r.tokens for r in results] == U.reference(model_dir, batch, 6)
+    assert {r.last.timings.ctx_worker for r in results} == {"ctx-0", "ctx-1"}
+    assert {r.last.timings.gen_worker for r in results} == {"gen-0", "gen-1"}
     U.wait_drained(cl)

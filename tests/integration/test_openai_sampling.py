@@ -154,79 +154,6 @@ def test_bad_sampling_values_are_a_400_naming_the_field(cluster, body, param):
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-                   "properties": {"city": {"type": "string", "maxLength": 8},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["tz"],
-                                       "properties": {"tz": {"enum": ["UTC", "CET"]}}}}}
-
-
-def _weather_args(args: dict) -> bool:
-    return (set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 8
-            and isinstance(args["days"], int) and 1 <= args["days"] <= 7)
-
-
-# Tool definitions make long prompts for a byte-level tokenizer: this cluster takes them, and reads
-# "auto" output with the Hermes parser.
-TOOLS_ENGINE = dict(U.ENGINE, max_input_len=1536, max_seq_len=1800, max_num_tokens=2048)
-
-
-@pytest.fixture
-def tools_cluster(clusters):
-    return clusters(engine=TOOLS_ENGINE, router=RouterConfig(http_port=0, tool_call_parser="hermes"))
-
-
-def test_forced_tool_calls_validate_streamed_or_not_and_tool_turns_render(tools_cluster):
-    cluster = tools_cluster
-    oa = client(cluster)
-    model = oa.models.list().data[0].id
-    messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    for seed in range(2):
-        out = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
-                                         tool_choice=named, max_tokens=80, temperature=1.0, seed=seed)
-        call = out.choices[0].message.tool_calls[0]
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        assert _weather_args(json.loads(call.function.arguments))
-        assert out.choices[0].finish_reason == "stop"  # OpenAI's for a named tool_choice
-        required = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
-                                              tool_choice="required", parallel_tool_calls=False,
-                                              max_tokens=300, temperature=1.0, seed=seed)
-        calls = required.choices[0].message.tool_calls
-        assert calls is not None, required.choices[0]
-        assert len(calls) == 1 and required.choices[0].finish_reason == "tool_calls"
-        args = json.loads(calls[0].function.arguments)
-        assert _weather_args(args) if calls[0].function.name == "get_weather" else args["tz"] in ("UTC", "CET")
-        # Streamed: tool_calls deltas (name first, then argument fragments) add up to one call.
-        chunks = [c for c in oa.chat.completions.create(
-            model=model, messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=80,
-            temperature=1.0, seed=seed, stream=True) if c.choices]
-        deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-        assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
-        assert _weather_args(json.loads("".join(d.function.arguments or "" for d in deltas)))
-    # The conversation goes on with the call and its result: the template renders the tool turns.
-    followup = messages + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.id, "type": "function",
-             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    after = oa.chat.completions.create(model=model, messages=followup, tools=[WEATHER], max_tokens=4,
-                                       temperature=0, extra_body={"ignore_eos": True})
-    assert after.choices[0].message.content is not None and after.usage.prompt_tokens > 30
-    # "auto": the model may answer or call; the Hermes parser reads whichever it wrote.
-    auto = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="auto",
-                                      max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-    assert auto.choices[0].finish_reason in ("length", "tool_calls", "stop")
-    with pytest.raises(openai.BadRequestError) as info:
-        oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=4,
-                                   tool_choice={"type": "function", "function": {"name": "nope"}})
-    assert "tool_choice.function.name" in info.value.message and "nope" in info.value.message
-    U.wait_drained(cluster)
-
-
 def test_tokenize_detokenize_and_version_as_vllm_serves_them(cluster, engine):
     import http.client
 
@@ -312,4 +239,78 @@ def test_n_and_best_of_share_one_prefill_and_one_transfer(cluster, engine):
                                  best_of=4, extra_body={"ignore_eos": True})
     assert [c.text for c in best.choices] == [o.text for o in ranked[:2]]
     assert best.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    U.wait_drained(cluster)
+
+
+# Tool definitions make long prompts for a byte-level tokenizer: this cluster takes them, and reads
+# "auto" output with the Hermes parser. Its test comes last: the module's other tests share one
+# cluster, and each change of settings is a new launch.
+TOOLS_ENGINE = dict(U.ENGINE, max_input_len=1536, max_seq_len=1800, max_num_tokens=2048)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["tz"],
+                                       "properties": {"tz": {"enum": ["UTC", "CET"]}}}}}
+
+
+def _weather_args(args: dict) -> bool:
+    return (set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 8
+            and isinstance(args["days"], int) and 1 <= args["days"] <= 7)
+
+
+@pytest.fixture
+def tools_cluster(clusters):
+    return clusters(engine=TOOLS_ENGINE, router=RouterConfig(http_port=0, tool_call_parser="hermes"))
+
+
+def test_forced_tool_calls_validate_streamed_or_not_and_tool_turns_render(tools_cluster):
+    cluster = tools_cluster
+    oa = client(cluster)
+    model = oa.models.list().data[0].id
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(2):
+        out = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
+                                         tool_choice=named, max_tokens=80, temperature=1.0, seed=seed)
+        call = out.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert _weather_args(json.loads(call.function.arguments))
+        assert out.choices[0].finish_reason == "stop"  # OpenAI's for a named tool_choice
+        required = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER, CLOCK],
+                                              tool_choice="required", parallel_tool_calls=False,
+                                              max_tokens=300, temperature=1.0, seed=seed)
+        calls = required.choices[0].message.tool_calls
+        assert calls is not None, required.choices[0]
+        assert len(calls) == 1 and required.choices[0].finish_reason == "tool_calls"
+        args = json.loads(calls[0].function.arguments)
+        assert _weather_args(args) if calls[0].function.name == "get_weather" else args["tz"] in ("UTC", "CET")
+        # Streamed: tool_calls deltas (name first, then argument fragments) add up to one call.
+        chunks = [c for c in oa.chat.completions.create(
+            model=model, messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=80,
+            temperature=1.0, seed=seed, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+        assert _weather_args(json.loads("".join(d.function.arguments or "" for d in deltas)))
+    # The conversation goes on with the call and its result: the template renders the tool turns.
+    followup = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    after = oa.chat.completions.create(model=model, messages=followup, tools=[WEATHER], max_tokens=4,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert after.choices[0].message.content is not None and after.usage.prompt_tokens > 30
+    # "auto": the model may answer or call; the Hermes parser reads whichever it wrote.
+    auto = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="auto",
+                                      max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert auto.choices[0].finish_reason in ("length", "tool_calls", "stop")
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=4,
+                                   tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "tool_choice.function.name" in info.value.message and "nope" in info.value.message
     U.wait_drained(cluster)

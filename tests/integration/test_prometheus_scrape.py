@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_session import free_port  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# A Ray of its own (conftest), started after RAY_metrics_report_interval_ms is set above.
+OWN_RAY = True
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve-dashboard.json"

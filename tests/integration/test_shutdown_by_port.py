@@ -1,12 +1,14 @@
 """Several pdserve clusters on one host: `pdserve shutdown --port P` stops the cluster whose router
 serves P, and nothing of the other.
 
-Two `pdserve launch` processes, each with its own embedded Ray cluster (one router on a random
-port, as the demo takes it, the other on a fixed one behind an API key). Each is stopped by its
-port alone, in both orders, while the other one serves a steady stream of requests; the other's
-requests all complete and it stays healthy. A port where no router answers gets an error that
-lists the routers on this host with their ports and Ray addresses; a wrong key gets the same
-error as `pdserve status` gives."""
+Two `pdserve launch` processes at a time, each with its own embedded Ray cluster (one router on a
+random port, as the demo takes it, the other on a fixed one behind an API key). Each kind is
+stopped by its port alone, in both orders, while the other one serves a steady stream of requests;
+the other's requests all complete and it stays healthy. One test, three launches: the keyed
+cluster serves while the first random-port one stops, then is itself stopped while a second
+random-port one serves. A port where no router answers gets an error that lists the routers on
+this host with their ports and Ray addresses; a wrong key gets the same error as `pdserve status`
+gives."""
 from __future__ import annotations
 
 import json
@@ -18,8 +20,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -106,86 +106,103 @@ class SteadyLoad:
         self.client.close()
 
 
-@pytest.mark.parametrize("first", ["random-port", "keyed"])
-def test_each_cluster_is_stopped_by_its_port_alone(tmp_path, first):
+def _check_listing_and_keys(pair: list[Launched], fixed: int, env: dict[str, str], workdir: Path) -> None:
+    """Two clusters up, one of them the keyed one on ``fixed``: a port where no router answers and
+    a wrong key stop nothing."""
+    assert pair[0].info["ray_address"] != pair[1].info["ray_address"]
+    # A port where no router answers: nothing is stopped, and the routers here are listed.
+    nobody = _run(["shutdown", "--port", str(free_port())], env, workdir)
+    assert nobody.returncode == 2, nobody.stderr
+    assert "no pdserve router answers" in nobody.stderr
+    for c in pair:
+        assert c.info["grpc"] in nobody.stderr and c.info["ray_address"] in nobody.stderr
+
+    # A wrong key: the same error as every other command gives.
+    wrong = _run(["shutdown", "--port", str(fixed), "--api-key", "pdk-wrong-key"], env, workdir)
+    status = _run(["status", "--port", str(fixed), "--api-key", "pdk-wrong-key"], env, workdir)
+    assert wrong.returncode == status.returncode == 1
+    assert wrong.stderr.startswith("error: UNAUTHENTICATED:") and wrong.stderr == status.stderr
+    assert all(c.proc.poll() is None for c in pair)  # nothing was stopped
+
+
+def _stop_one_while_the_other_serves(victim: Launched, survivor: Launched, keys: dict[str, str | None],
+                                     env: dict[str, str], workdir: Path) -> None:
+    """`pdserve shutdown --port` of ``victim`` while ``survivor`` serves a steady stream: the
+    survivor's requests all complete, it stays healthy, and only it is listed afterwards."""
+    load = SteadyLoad(survivor.port, keys[survivor.name])
+    try:
+        while not load.done and not load.errors:
+            time.sleep(0.05)
+        asked = time.monotonic()
+        args = ["shutdown", "--port", str(victim.port)]
+        if keys[victim.name]:
+            args += ["--api-key", keys[victim.name]]
+        out = _run(args, env, workdir)
+        stopped = time.monotonic()
+        assert out.returncode == 0, out.stderr
+        assert victim.info["ray_address"] in out.stdout
+        assert "pdserve-ctx-0, pdserve-gen-0, pdserve-router" in out.stdout
+        assert "has stopped" in out.stdout
+        # The victim's launch leaves with its router and stops the Ray cluster it started.
+        assert victim.proc.wait(timeout=120) == 0, victim.log.read_text()[-3000:]
+        deadline = time.monotonic() + 60
+        while _accepts(victim.info["ray_address"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _accepts(victim.info["ray_address"]), "the victim's Ray GCS still listens"
+        time.sleep(1.0)  # the survivor keeps serving after the victim is gone
+    finally:
+        load.finish()
+    assert not load.errors, load.errors
+    assert all(n == 24 and reason == "length" for _, _, n, reason in load.done)
+    assert any(start < stopped and end > asked for start, end, _, _ in load.done), \
+        "no request was in flight while the other cluster was stopped"
+    assert any(start > stopped for start, _, _, _ in load.done)
+    assert survivor.proc.poll() is None
+
+    health = _run(["status", "--port", str(survivor.port), "--json"]
+                  + (["--api-key", keys[survivor.name]] if keys[survivor.name] else []), env, workdir)
+    assert health.returncode == 0, health.stderr
+    assert all(w["healthy"] for w in json.loads(health.stdout)["workers"])
+
+    # Only the survivor is listed now.
+    nobody = _run(["shutdown", "--port", str(victim.port)], env, workdir)
+    assert nobody.returncode == 2 and survivor.info["grpc"] in nobody.stderr
+    assert victim.info["grpc"] not in nobody.stderr.split("the pdserve routers on this machine:")[-1]
+
+
+def test_each_cluster_is_stopped_by_its_port_alone(tmp_path):
+    """Both orders with three launches (each a cold start of Ray and its workers), two up at a
+    time: the random-port cluster is stopped while the keyed one serves, then a second random-port
+    cluster comes up, the keyed one is stopped while it serves, and it goes last."""
     runtime = tmp_path / "runtime"
     env = _env(runtime)
     key_file = tmp_path / "keys"
     key_file.write_text(KEY + "\n")
     engine = ["--tokens-per-block", "16", "--num-kv-blocks", "64"]
     fixed = free_port()
-    clusters = {
-        "random-port": Launched("random-port", ["--port", "0", *engine], env, tmp_path),
-        "keyed": Launched("keyed", ["--port", str(fixed), "--api-key-file", str(key_file), *engine],
-                          env, tmp_path),
-    }
-    keys = {"random-port": None, "keyed": KEY}
+    keys = {"random-port": None, "keyed": KEY, "random-port-2": None}
+    first = Launched("random-port", ["--port", "0", *engine], env, tmp_path)
+    keyed = Launched("keyed", ["--port", str(fixed), "--api-key-file", str(key_file), *engine], env, tmp_path)
+    launched = [first, keyed]
     try:
-        for c in clusters.values():
+        for c in launched:
             c.ready()
-        assert clusters["keyed"].port == fixed
-        assert clusters["random-port"].info["ray_address"] != clusters["keyed"].info["ray_address"]
+        assert keyed.port == fixed
+        _check_listing_and_keys([first, keyed], fixed, env, tmp_path)
+        # The random-port cluster first, while the keyed one serves.
+        _stop_one_while_the_other_serves(first, keyed, keys, env, tmp_path)
 
-        # A port where no router answers: nothing is stopped, and the routers here are listed.
-        nobody = _run(["shutdown", "--port", str(free_port())], env, tmp_path)
-        assert nobody.returncode == 2, nobody.stderr
-        assert "no pdserve router answers" in nobody.stderr
-        for c in clusters.values():
-            assert c.info["grpc"] in nobody.stderr and c.info["ray_address"] in nobody.stderr
+        second = Launched("random-port-2", ["--port", "0", *engine], env, tmp_path)
+        launched.append(second)
+        second.ready()
+        _check_listing_and_keys([keyed, second], fixed, env, tmp_path)
+        # Then the keyed one (stopped with its key), while a random-port one serves.
+        _stop_one_while_the_other_serves(keyed, second, keys, env, tmp_path)
 
-        # A wrong key: the same error as every other command gives.
-        wrong = _run(["shutdown", "--port", str(fixed), "--api-key", "pdk-wrong-key"], env, tmp_path)
-        status = _run(["status", "--port", str(fixed), "--api-key", "pdk-wrong-key"], env, tmp_path)
-        assert wrong.returncode == status.returncode == 1
-        assert wrong.stderr.startswith("error: UNAUTHENTICATED:") and wrong.stderr == status.stderr
-        assert all(c.proc.poll() is None for c in clusters.values())  # nothing was stopped
-
-        victim = clusters[first]
-        survivor = clusters["keyed" if first == "random-port" else "random-port"]
-        load = SteadyLoad(survivor.port, keys[survivor.name])
-        try:
-            while not load.done and not load.errors:
-                time.sleep(0.05)
-            asked = time.monotonic()
-            args = ["shutdown", "--port", str(victim.port)]
-            if keys[victim.name]:
-                args += ["--api-key", keys[victim.name]]
-            out = _run(args, env, tmp_path)
-            stopped = time.monotonic()
-            assert out.returncode == 0, out.stderr
-            assert victim.info["ray_address"] in out.stdout
-            assert "pdserve-ctx-0, pdserve-gen-0, pdserve-router" in out.stdout
-            assert "has stopped" in out.stdout
-            # The victim's launch leaves with its router and stops the Ray cluster it started.
-            assert victim.proc.wait(timeout=120) == 0, victim.log.read_text()[-3000:]
-            deadline = time.monotonic() + 60
-            while _accepts(victim.info["ray_address"]) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert not _accepts(victim.info["ray_address"]), "the victim's Ray GCS still listens"
-            time.sleep(1.0)  # the survivor keeps serving after the victim is gone
-        finally:
-            load.finish()
-        assert not load.errors, load.errors
-        assert all(n == 24 and reason == "length" for _, _, n, reason in load.done)
-        assert any(start < stopped and end > asked for start, end, _, _ in load.done), \
-            "no request was in flight while the other cluster was stopped"
-        assert any(start > stopped for start, _, _, _ in load.done)
-        assert survivor.proc.poll() is None
-
-        health = _run(["status", "--port", str(survivor.port), "--json"]
-                      + (["--api-key", keys[survivor.name]] if keys[survivor.name] else []), env, tmp_path)
-        assert health.returncode == 0, health.stderr
-        assert all(w["healthy"] for w in json.loads(health.stdout)["workers"])
-
-        # Only the survivor is listed now; then it goes the same way.
-        nobody = _run(["shutdown", "--port", str(victim.port)], env, tmp_path)
-        assert nobody.returncode == 2 and survivor.info["grpc"] in nobody.stderr
-        assert victim.info["grpc"] not in nobody.stderr.split("the pdserve routers on this machine:")[-1]
-        last = ["shutdown", "--port", str(survivor.port)] + (
-            ["--api-key", keys[survivor.name]] if keys[survivor.name] else [])
-        out = _run(last, env, tmp_path)
+        # The last one goes the same way (no key).
+        out = _run(["shutdown", "--port", str(second.port)], env, tmp_path)
         assert out.returncode == 0, out.stderr
-        assert survivor.proc.wait(timeout=120) == 0, survivor.log.read_text()[-3000:]
+        assert second.proc.wait(timeout=120) == 0, second.log.read_text()[-3000:]
     finally:
-        for c in clusters.values():
+        for c in launched:
             c.kill()

@@ -35,7 +35,7 @@ The other kinds of command, and the integration test that runs them (``INTEGRATI
 file must exist and contain its marker, so this list cannot silently rot):
 
 - ``pdserve launch / generate / status / shutdown`` as processes: tests/integration/test_cli.py
-  ``test_launch_generate_status_shutdown`` (tests/integration/cli_session.py
+  ``test_launch_generate_status_shutdown_of_a_model_by_hub_name`` (tests/integration/cli_session.py
   ``launch_generate_status_shutdown``); ``pdserve shutdown --port`` alone (no Ray joined):
   tests/integration/test_shutdown_by_port.py ``test_each_cluster_is_stopped_by_its_port_alone``;
   ``python -m pdserve``: test_cli.py
@@ -97,7 +97,8 @@ FENCE_LANGUAGES = {"sh", "python", "yaml", "text"}
 
 # Command kind -> (integration test file, a string it must contain).
 INTEGRATION = {
-    "pdserve (processes)": ("tests/integration/test_cli.py", "def test_launch_generate_status_shutdown"),
+    "pdserve (processes)": ("tests/integration/test_cli.py",
+                            "def test_launch_generate_status_shutdown_of_a_model_by_hub_name"),
     "pdserve (session)": ("tests/integration/cli_session.py", "def launch_generate_status_shutdown"),
     "pdserve shutdown --port": ("tests/integration/test_shutdown_by_port.py",
                                 "def test_each_cluster_is_stopped_by_its_port_alone"),
