@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -322,7 +323,8 @@ def serve_pdserve(ctx: Ctx, size: Size, model: Path, mode: str) -> dict[str, Any
     folder.mkdir(parents=True, exist_ok=True)
     try:
         cluster = Cluster(model, folder, launch_timeout_s=a.server_timeout, num_context_workers=ctxw,
-                          num_generation_workers=1, extra_args=["--dtype", a.dtype, "--max-seq-len", "2048"])
+                          num_generation_workers=1, extra_args=["--dtype", a.dtype, "--max-seq-len", "2048",
+                                                              *shlex.split(a.pdserve_args)])
     except RuntimeError as exc:
         ctx.failures.append(f"{size.name} {mode} server: {exc}")
         log(ctx.failures[-1])
@@ -473,6 +475,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="first run's dataset seed; +1 per concurrency")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--pdserve-args", default="", metavar="FLAGS",
+                    help="more `pdserve launch` flags for both pdserve modes, as one string "
+                         "(e.g. '--torch-threads 2')")
     ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
     ap.add_argument("--harness-timeout", type=float, default=600.0, help="seconds one harness run may take")
     ap.add_argument("--offline-timeout", type=float, default=900.0, help="seconds one offline run may take")

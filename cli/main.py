@@ -98,6 +98,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a remote prefill's KV moves: after_prefill (the default: once "
                              "the prefill is over) or layerwise (each layer as the context "
                              "worker's forward writes it)")
+    parser.add_argument("--torch-threads", type=int, metavar="N",
+                        help="torch (OpenMP) threads per worker process (default 1: one core a worker, "
+                             "as vLLM's CPU engine gets; more threads stall when other processes "
+                             "share the cores)")
     parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
                         help="send KV requests by Ray alone, not also over the direct "
                              "worker-to-worker link")
@@ -194,7 +198,7 @@ def launch_config_from_args(args: argparse.Namespace):
         router["port"] = args.port
     top = {k: v for k, v in data.items() if k not in ("engine", "router")}
     for key in ("model", "num_context_workers", "num_generation_workers", "placement",
-                "connect_timeout_s", "transfer_timeout_s", "kv_link", "context_resources",
+                "connect_timeout_s", "transfer_timeout_s", "kv_link", "torch_threads", "context_resources",
                 "generation_resources"):
         value = getattr(args, key, None)
         if value is not None:

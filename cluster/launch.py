@@ -69,6 +69,8 @@ class LaunchConfig:
             raise ValueError("num_context_workers must be >= 0")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be pack or spread, got {self.placement!r}")
+        if self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         for name in ("context_resources", "generation_resources"):
             check_resources(name, getattr(self, name))
 

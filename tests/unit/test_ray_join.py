@@ -119,6 +119,13 @@ def test_a_bad_resource_flag_is_an_error_naming_the_flag(value, says, capsys):
     assert "argument --generation-resources" in err and says in err
 
 
+def test_torch_threads_flag_reaches_the_launch_config_and_is_checked():
+    assert launch_config_from_args(parse()).torch_threads == 1  # one core a worker by default
+    assert launch_config_from_args(parse("--torch-threads", "2")).torch_threads == 2
+    with pytest.raises(ValueError, match="torch_threads must be >= 1, got 0"):
+        launch_config_from_args(parse("--torch-threads", "0"))
+
+
 def test_yaml_resources_are_checked_too():
     with pytest.raises(ValueError, match="context_resources: 'GPU' is set by pdserve"):
         L.LaunchConfig(context_resources={"GPU": 1})
