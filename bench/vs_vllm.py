@@ -67,6 +67,7 @@ import os
 import random
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -305,10 +306,9 @@ def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"error": errors[0], "rounds": rows}
     med: dict[str, Any] = {}
     for key in KEPT_KEYS:
-        vals = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if vals:
-            mid = len(vals) // 2
-            med[key] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+            med[key] = statistics.median(vals)
     loads = [v for r in rows for v in (r.get("load_before"), r.get("load_after")) if v is not None]
     if loads:
         med["load_before"], med["load_after"] = min(loads), max(loads)
