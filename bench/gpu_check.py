@@ -26,7 +26,10 @@ with --small) and then:
     batches) on bench/engine.py's workload (Azure conversation lengths, prompts <= 512,
     outputs <= 64, EOS ignored), both warmed up, in the same dtype on the same device.
 (c) the device, torch/CUDA/transformers versions and the attention backend pdserve used
-    ("flex": FlexAttention over the paged pool; "sdpa": gather + SDPA).
+    ("sdpa": gather + SDPA, the default; "flex": FlexAttention over the paged pool, opt-in).
+(d) on CUDA, CUDA graphs: the engine runs decode steps as graphs (unless --enforce-eager); the
+    throughput part also times the same engine with every step eager, and one decode step at
+    1, 8, 32 and 64 sequences eager against the graph.
 
 Exit status: 0 when parity holds, 1 when it fails. Budget: under 8 minutes on one H200.
 """
@@ -53,7 +56,7 @@ MODELS = {
     "cpu-small": dict(arch="llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                       intermediate_size=512, vocab_size=4096, max_position_embeddings=2048, seed=0),
 }
-B = 16  # tokens per KV block
+B = 16  # tokens per KV block (--tokens-per-block)
 BF16_FACTOR = 2.0  # pdserve's bf16 error vs transformers' own, both against fp32
 FP32_ATOL = 1e-3
 
@@ -274,6 +277,43 @@ def pdserve_engine(llm, work, device: str) -> dict[str, Any]:
     return {"output_tokens": sum(len(o.token_ids) for o in outs), "seconds": time.perf_counter() - t0}
 
 
+def decode_step_latency(loaded, device: str, batches=(1, 8, 32, 64), context: int = 256,
+                        iters: int = 30) -> dict[int, dict[str, float]]:
+    """One decode step's time (ms, mean of ``iters`` after warm-up) for each batch size, every
+    sequence with ``context`` cached tokens: eager forward against the captured graph."""
+    from pdserve.workers.kv_pool import KVPool
+    from pdserve.workers.model import SeqBatchInfo
+
+    model = loaded.model
+    nb = context // B + 1
+    pool = KVPool.for_model(loaded.config, max(batches) * nb + 1, B, dtype=model.dtype, device=device)
+    saved = model.decode_graphs
+    graphs = model.enable_decode_graphs(pool, max_batch=max(batches), max_blocks=nb,
+                                        capture=device.startswith("cuda"))  # CPU: the same path, eager
+    out: dict[int, dict[str, float]] = {}
+    try:
+        for n in batches:
+            seqs = [SeqBatchInfo(i, 1, context, tuple(range(i * nb, (i + 1) * nb))) for i in range(n)]
+            ids = torch.randint(3, loaded.config.vocab_size, (n,))
+            row = {}
+            for mode in ("eager", "graph"):
+                model.decode_graphs = graphs if mode == "graph" else None
+                for _ in range(3):
+                    model(ids, None, seqs, pool)
+                _sync(device)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    model(ids, None, seqs, pool)
+                _sync(device)
+                row[mode] = (time.perf_counter() - t0) / iters * 1e3
+            out[n] = row
+            print(f"  decode step, {n} seqs x {context} cached tokens: eager {row['eager']:.2f} ms, "
+                  f"CUDA graph {row['graph']:.2f} ms ({row['eager'] / row['graph']:.2f}x)", flush=True)
+    finally:
+        model.decode_graphs = saved
+    return out
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -288,12 +328,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="a smaller model (tiny on CPU)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
     ap.add_argument("--attention-backend", choices=("default", "sdpa", "flex"), default="default",
-                    help="pdserve's attention backend (default: flex on CUDA, sdpa on CPU)")
+                    help="pdserve's attention backend (default: sdpa; flex failed to compile on an H200 "
+                         "with torch 2.11, docs/benchmarks.md section 22)")
     ap.add_argument("--model-root", default=None, help="where to write the model (default: a temp dir)")
     ap.add_argument("--num-requests", type=int, default=None, help="throughput workload (default 64; 12 on CPU)")
     ap.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default 16; 8 on CPU)")
     ap.add_argument("--gen-prompts", type=int, default=None, help="generation parity prompts (default 8; 6 on CPU)")
     ap.add_argument("--gen-tokens", type=int, default=None, help="generation parity length (default 64; 24 on CPU)")
+    ap.add_argument("--tokens-per-block", type=int, default=16)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no CUDA graphs for the parity run (the throughput part times both anyway)")
+    ap.add_argument("--decode-latency", action="store_true",
+                    help="time decode steps eager vs graph (always on CUDA with graphs; off CUDA the graph "
+                         "path runs uncaptured)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
@@ -302,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve import LLM
     from pdserve.bench.engine import workload
+
+    global B
+    B = args.tokens_per_block
     from pdserve.workers.loader import load_model
 
     device = args.device
@@ -346,9 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     work = workload(max(num_requests, gen_prompts_n))
     work = [([t % spec["vocab_size"] for t in p], n) for p, n in work]
     num_blocks = sum(-(-(len(p) + max(n, gen_tokens)) // B) for p, n in work) + 64
-    llm = LLM(loaded, device=device, max_batch_size=64, max_num_tokens=4096,
-              tokens_per_block=B, num_kv_blocks=num_blocks, context_chunking_policy="FIRST_COME_FIRST_SERVED",
-              chunk_unit_size=256)
+    engine_args = dict(device=device, max_batch_size=64, max_num_tokens=4096, tokens_per_block=B,
+                       num_kv_blocks=num_blocks, context_chunking_policy="FIRST_COME_FIRST_SERVED",
+                       chunk_unit_size=256)
+    llm = LLM(loaded, enforce_eager=args.enforce_eager, **engine_args)
+    graphs = loaded.model.decode_graphs
+    print(f"CUDA graphs for decode steps: {'on' if graphs is not None else 'off'}", flush=True)
     tie_tol = None if dtype == torch.float32 else fwd["max_pd_fp32"] + fwd["max_hf_fp32"]
     gen_prompts = [p for p, _ in work[:gen_prompts_n]]
     gen = generation_parity(llm, hf16, hf32, device, gen_prompts, gen_tokens, tie_tol)
@@ -369,18 +422,35 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_throughput:
         tw = work[:num_requests]
         pd = pdserve_engine(llm, tw, device)
+        runs = {"pdserve": pd}
+        if graphs is not None:
+            # The same engine settings with every step eager, on its own pool (the model's graphs
+            # stay bound to the first engine's pool, so this one never replays them).
+            eager = LLM(loaded, enforce_eager=True, **engine_args)
+            runs["pdserve_eager"] = pdserve_engine(eager, tw, device)
+            del eager
+            report["graphs"] = {"captured": sorted(graphs.graphs), "replays": graphs.replays}
         del hf32
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
         hf = hf_batched(hf16, tw, device, hf_batch)
-        for r in (pd, hf):
+        runs["transformers_batched"] = hf
+        for r in runs.values():
             r["tokens_per_s"] = r["output_tokens"] / r["seconds"]
-        report["throughput"] = {"pdserve": pd, "transformers_batched": hf, "hf_batch": hf_batch,
-                                "requests": len(tw), "ratio": pd["tokens_per_s"] / hf["tokens_per_s"]}
+        report["throughput"] = {**runs, "hf_batch": hf_batch, "requests": len(tw),
+                                "ratio": pd["tokens_per_s"] / hf["tokens_per_s"]}
         print(f"throughput ({len(tw)} requests, prompts <= 512, outputs <= 64, {dtype_name(dtype)}): "
-              f"pdserve {pd['tokens_per_s']:.1f} tok/s ({pd['output_tokens']} in {pd['seconds']:.2f} s), "
+              f"pdserve {pd['tokens_per_s']:.1f} tok/s ({pd['output_tokens']} in {pd['seconds']:.2f} s"
+              f"{', CUDA graphs' if graphs is not None else ''}), "
               f"transformers batched (batch {hf_batch}) {hf['tokens_per_s']:.1f} tok/s "
               f"({hf['output_tokens']} in {hf['seconds']:.2f} s): {report['throughput']['ratio']:.2f}x")
+        if "pdserve_eager" in runs:
+            e = runs["pdserve_eager"]
+            print(f"  pdserve eager (enforce_eager) {e['tokens_per_s']:.1f} tok/s: CUDA graphs "
+                  f"{pd['tokens_per_s'] / e['tokens_per_s']:.2f}x; {len(graphs.graphs)} graphs captured, "
+                  f"{graphs.replays} replays", flush=True)
+        if graphs is not None or args.decode_latency:
+            report["decode_step_ms"] = decode_step_latency(loaded, device)
 
     backend = loaded.model.attention_backend
     report["attention_backend"] = backend

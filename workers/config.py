@@ -32,6 +32,9 @@ class EngineConfig:
     # bfloat16 on CUDA (a float32 checkpoint runs as bfloat16 there, as in vLLM)
     dtype: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
+    # vLLM's flag: True runs every step eagerly; False (default) replays decode-only steps as
+    # CUDA graphs on CUDA (workers/model/cuda_graphs.py). No effect on CPU.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity_scheduler_policy, str):
@@ -54,6 +57,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.dtype is not None:  # vLLM's spellings too; kept canonical for the workers
             canonical = _DTYPE_ALIASES.get(str(self.dtype).lower())
             if canonical is None:

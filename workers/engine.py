@@ -87,6 +87,11 @@ def kv_pool_size(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) ->
     return num_blocks, per_block
 
 
+# Largest decode batch replayed as a CUDA graph (vLLM's default capture limit is 512 too);
+# bigger decode batches run eagerly.
+MAX_GRAPH_BATCH = 512
+
+
 def build_executor(
     model: str | Path | LoadedModel,
     config: EngineConfig,
@@ -128,6 +133,10 @@ def build_executor(
     # With a window the executor keeps the pool's last block as its scratch block.
     kv_pool = KVPool.for_model(mcfg, num_blocks + (1 if window is not None else 0), B,
                                dtype=loaded.model.dtype, device=device)
+    if kv_pool.device.type == "cuda" and not config.enforce_eager:
+        # Decode steps as CUDA graphs, one per (batch, table width) bucket, captured on first use.
+        loaded.model.enable_decode_graphs(kv_pool, max_batch=min(config.max_batch_size, MAX_GRAPH_BATCH),
+                                          max_blocks=-(-max_seq_len // B) + (1 if window is not None else 0))
     executor = Executor(
         loaded.model,
         kv_pool,

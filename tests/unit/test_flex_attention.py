@@ -13,15 +13,20 @@ KV pool in place through the block table.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import os
 import random
 
 import pytest
 import torch
 
-from pdserve.workers.kv_pool import KVPool
-from pdserve.workers.model import ModelConfig, SeqBatchInfo, build_model
-from pdserve.workers.model import flex_attention as FA
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_models import windowed_qwen3  # noqa: E402
+
+from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.workers.model import SeqBatchInfo  # noqa: E402
+from pdserve.workers.model import flex_attention as FA  # noqa: E402
 
 pytestmark = pytest.mark.skipif(FA._flex_module() is None, reason="torch has no FlexAttention")
 
@@ -108,23 +113,7 @@ def test_window_scratch_block_repeated_in_tables() -> None:
 
 # ------------------------------------------------------------------------------ whole model
 
-CONFIG = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=128,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-    max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-    sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"],
-)
-
-
-def _model():
-    cfg = ModelConfig.from_hf_dict(CONFIG)
-    torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
-    model.prepack_linears()
-    return cfg, model
+_model = windowed_qwen3
 
 
 class _Steps:

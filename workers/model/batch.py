@@ -284,3 +284,40 @@ def _decode_group(
         max_blocks=max_blocks,
         masks=masks,
     )
+
+
+def static_decode_metadata(
+    positions: torch.Tensor,  # [N] long, on the device: each sequence's query position (past_len)
+    slots: torch.Tensor,  # [N] long: where each new token's K/V is written
+    tables: torch.Tensor,  # [N, W] long: block tables padded (with any valid block id) to W blocks
+    tokens_per_block: int,
+    num_blocks: int,
+    windows: Sequence[int | None],
+    dtype: torch.dtype,
+    num_planes: int = 2,
+) -> AttentionMetadata:
+    """A decode-only step's metadata computed on the device from fixed-shape tensors, with no
+    host work and no shape that depends on the values: the form a CUDA graph can capture and
+    replay (cuda_graphs.py). Every sequence is row i of the flat batch and one decode group pads
+    all of them to W blocks; the masks hide the padding, so each row attends exactly the keys
+    ``AttentionMetadata.build`` gives it (the same math, over more masked keys)."""
+    N, W = tables.shape
+    B = tokens_per_block
+    device = tables.device
+    flat = tables.reshape(-1)
+    rows = torch.cat([flat + p * num_blocks for p in range(num_planes)]) if num_planes > 1 else flat
+    lens = (positions + 1)[:, None]  # [N, 1]: keys 0 .. past_len
+    k_pos = torch.arange(W * B, device=device)[None, :]
+    masks: dict[int | None, torch.Tensor] = {}
+    for w in sorted(set(windows), key=lambda w: -1 if w is None else w):
+        allowed = k_pos < lens
+        if w is not None:
+            allowed = allowed & (k_pos > lens - 1 - w)
+        masks[w] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
+            ~allowed, float("-inf")).view(N, 1, 1, W * B)
+    index = torch.arange(N, device=device)
+    group = DecodeGroup(token_index=index, gather_rows=rows, num_seqs=N, max_blocks=W, masks=masks)
+    return AttentionMetadata(
+        num_tokens=N, tokens_per_block=B, positions=positions, slots=slots, last_token_index=index,
+        decode_groups=[group], context_chunks=[], max_gather_rows=rows.numel(), decode_gather_rows=rows,
+    )

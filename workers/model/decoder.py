@@ -21,6 +21,7 @@ from torch import nn
 from . import flex_attention
 from .attention import PagedAttention, Workspace
 from .batch import GROUP_GATHER_BYTES, AttentionMetadata, SeqBatchInfo
+from .cuda_graphs import DecodeGraphs
 from .config import ModelConfig
 from .layers import (GatedMLP, PrepackedLinears, RMSNorm, RotaryEmbedding, _empty, can_prepack, linear,
                      prepack_weight)
@@ -142,6 +143,8 @@ class DecoderLM(nn.Module):
         self.token_tile = TOKEN_TILE  # tunable, see DecoderLayer
         # "sdpa" (gather + SDPA) or "flex" (FlexAttention over the pool in place, flex_attention.py).
         self.attention_backend = "sdpa"
+        # CUDA graphs of decode steps (cuda_graphs.py), set by enable_decode_graphs.
+        self.decode_graphs: DecodeGraphs | None = None
         if self.flex_capable:
             self.set_attention_backend(flex_attention.default_backend(self.device))
 
@@ -149,6 +152,11 @@ class DecoderLM(nn.Module):
     def flex_capable(self) -> bool:
         """Every layer is plain paged GQA attention (not MLA, not gpt-oss's sinks)."""
         return all(type(layer.attn).attend is PagedAttention.attend for layer in self.layers)
+
+    @property
+    def graph_capable(self) -> bool:
+        """Plain paged GQA attention and dense MLPs in every layer (enable_decode_graphs)."""
+        return self.flex_capable and all(isinstance(layer.mlp, GatedMLP) for layer in self.layers)
 
     def set_attention_backend(self, backend: str) -> None:
         """"sdpa" or "flex"; "flex" needs a flex-capable model and FlexAttention on this device
@@ -159,6 +167,20 @@ class DecoderLM(nn.Module):
             log.warning("flex attention is not available for this model on %s; using sdpa", self.device)
             backend = "sdpa"
         self.attention_backend = backend
+
+    def enable_decode_graphs(self, kv_pool: KVPool, *, max_batch: int, max_blocks: int,
+                             capture: bool = True) -> DecodeGraphs | None:
+        """Run decode-only steps over ``kv_pool`` as CUDA graphs (``capture=False``: the same
+        fixed-shape path eagerly, for tests off CUDA). Only plain paged GQA attention (not MLA,
+        not gpt-oss's sinks) with dense MLPs has it: a sparse MoE reads its routing on the host
+        (one sync per layer), which a graph cannot hold. Other models keep eager steps (None)."""
+        if not self.graph_capable or kv_pool.num_planes != 2:
+            log.info("CUDA graphs: %s has layers without a fixed-shape decode path; eager steps",
+                     type(self).__name__)
+            return None
+        self.decode_graphs = DecodeGraphs(self, kv_pool, max_batch=max_batch, max_blocks=max_blocks,
+                                          capture=capture)
+        return self.decode_graphs
 
     # ----------------------------------------------------------------- hooks
 
@@ -207,6 +229,10 @@ class DecoderLM(nn.Module):
             cfg.kv_planes, cfg.cache_heads, cfg.cache_head_dim
         ):
             raise ValueError(f"{kv_pool!r} does not match the model's KV cache shape")
+        graphs = self.decode_graphs
+        if (graphs is not None and positions is None and not all_logits and on_layer is None
+                and graphs.supports(seqs, kv_pool)):
+            return graphs.run(input_ids, seqs)
         backend = self.attention_backend
         if backend == "flex" and self.device.type == "cuda" and not flex_attention.cuda_block_ok(kv_pool.tokens_per_block):
             log.warning("flex attention needs tokens_per_block a multiple of 16 on CUDA (got %d); using sdpa",
@@ -236,15 +262,22 @@ class DecoderLM(nn.Module):
         )
         if positions is not None and not torch.equal(positions.to(self.device), meta.positions):
             raise ValueError("positions disagree with the sequences' past_len")
-        input_ids = input_ids.to(self.device)
+        return self.run_layers(input_ids.to(self.device), meta, kv_pool, self.workspace, all_logits, on_layer)
+
+    def run_layers(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool, workspace: Workspace,
+                   all_logits: bool = False, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The step's computation once its metadata is built: embedding, layers, norm, LM head
+        (fp32 logits of each sequence's last row, or of every row). With device-side metadata
+        and static buffers this is what a CUDA graph captures (cuda_graphs.py)."""
+        cfg = self.config
         if meta.max_gather_rows:  # size the gather workspace once for the whole step
-            self.workspace.rows(meta.max_gather_rows, kv_pool.block_numel, self.dtype, self.device)
+            workspace.rows(meta.max_gather_rows, kv_pool.block_numel, self.dtype, self.device)
 
         h = self.embed(input_ids)  # [T, H]
         cos_sin = [r.cos_sin(meta.positions, self.dtype) for r in self.rotaries]
         for i, layer in enumerate(self.layers):
             try:
-                h = layer(h, cos_sin, meta, kv_pool.kv[i], self.workspace, self.token_tile)
+                h = layer(h, cos_sin, meta, kv_pool.kv[i], workspace, self.token_tile)
             except flex_attention.FlexUnavailable as e:
                 e.before_first_layer = i == 0
                 raise

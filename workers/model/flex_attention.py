@@ -25,8 +25,8 @@ without cached tokens attend their own fresh K/V with SDPA as before (nothing to
 
 The kernel: ``torch.compile(flex_attention, dynamic=True)``, one compilation for all batch
 shapes (Triton on CUDA; on CPU inductor's C++ template, which needs a C++ compiler). Choosing
-the backend: ``default_backend`` ("flex" on CUDA when FlexAttention imports, "sdpa" otherwise;
-the environment variable ``PDSERVE_ATTENTION_BACKEND`` = sdpa | flex overrides it).
+the backend: ``default_backend`` ("sdpa" everywhere, see there; the environment variable
+``PDSERVE_ATTENTION_BACKEND`` = sdpa | flex overrides it).
 """
 from __future__ import annotations
 
@@ -79,15 +79,16 @@ def flex_supported(device: torch.device | str) -> bool:
 
 
 def default_backend(device: torch.device | str) -> str:
-    """"flex" on CUDA when FlexAttention is usable, "sdpa" elsewhere (on this 2-core CPU the
-    gather + SDPA path measured as fast or faster, docs/benchmarks.md); the environment variable
-    PDSERVE_ATTENTION_BACKEND overrides it."""
+    """"sdpa" unless the environment variable PDSERVE_ATTENTION_BACKEND says "flex". On the
+    2-core CPU gather + SDPA measured as fast or faster; on an H200 with torch 2.11 inductor found
+    no kernel config for these block masks (NoValidChoicesError, with 16 and with 64 tokens per
+    block), so every first step paid a failed compilation before falling back (docs/benchmarks.md)."""
     env = os.environ.get(ENV_BACKEND, "").strip().lower()
     if env:
         if env not in BACKENDS:
             raise ValueError(f"{ENV_BACKEND} must be one of {BACKENDS}, got {env!r}")
         return env
-    return "flex" if torch.device(device).type == "cuda" and flex_supported(device) else "sdpa"
+    return "sdpa"
 
 
 # ---------------------------------------------------------------------------------- the kernel
