@@ -13,10 +13,10 @@ KV pool in place through the block table.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 import os
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
