@@ -26,6 +26,7 @@ $(VENV)/.torch: | $(BIN)/python
 
 $(VENV)/.installed-%: pyproject.toml setup.py $(VENV)/.torch
 	$(PIP) install -e '.[$*]'
+	$(BIN)/python -c 'from pdserve.workers.model.cpu_kernels import main; main()'
 	touch $@
 
 demo: $(VENV)/.installed-test

@@ -10,7 +10,6 @@ bench/gpu_check.py runs the captured graphs on CUDA against transformers.
 """
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_models import windowed_qwen3  # noqa: E402
+from paged_models import StepDriver, greedy_tokens, windowed_qwen3  # noqa: E402
 
 from pdserve.workers.kv_pool import KVPool  # noqa: E402
-from pdserve.workers.model import ModelConfig, SeqBatchInfo, build_model  # noqa: E402
+from pdserve.workers.model import ModelConfig, build_model  # noqa: E402
 from pdserve.workers.model.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets  # noqa: E402
 
 B = 4
@@ -53,30 +52,19 @@ def test_graph_steps_match_eager_steps() -> None:
     pools = {"eager": KVPool.for_model(cfg, num_blocks, B), "graph": KVPool.for_model(cfg, num_blocks, B)}
     graphs = model.enable_decode_graphs(pools["graph"], max_batch=12, max_blocks=16, capture=False)
     assert graphs is not None and model.decode_graphs is graphs
-    free = list(range(num_blocks))
-    random.Random(0).shuffle(free)
-    rng = random.Random(1)
-    tables: dict[int, list[int]] = {}
-    lens: dict[int, int] = {}
+    driver = StepDriver(num_blocks, B)
 
     def step(parts: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        ids, seqs = [], []
-        for name, n in parts:
-            past = lens.get(name, 0)
-            table = tables.setdefault(name, [])
-            while len(table) * B < past + n:
-                table.append(free.pop())
-            seqs.append(SeqBatchInfo(len(ids), n, past, tuple(table)))
-            ids.extend(rng.randrange(300) for _ in range(n))
+        ids, seqs = driver.batch(parts)
+        lens = driver.lens
         out = {}
         for mode, pool in pools.items():
             before = graphs.replays
-            out[mode] = model(torch.tensor(ids), None, seqs, pool)
+            out[mode] = model(ids, None, seqs, pool)
             took_graph = graphs.replays > before
             assert took_graph == (mode == "graph" and all(n == 1 for _, n in parts)
                                   and len(parts) <= 12 and max(lens.get(k, 0) for k, _ in parts) // B < 16)
-        for name, n in parts:
-            lens[name] = lens.get(name, 0) + n
+        driver.advance(parts)
         return out
 
     step([(i, 3 + 5 * i) for i in range(10)])  # prefills of 3 .. 48 tokens (eager in both)
@@ -94,22 +82,19 @@ def test_graph_steps_match_eager_steps() -> None:
 
 def test_engine_greedy_tokens_equal_with_graph_path(tmp_path) -> None:
     """LLM.generate through the fixed-shape decode path gives the eager engine's tokens."""
-    from pdserve import LLM, SamplingParams
-    from pdserve.workers.loader import load_model
     from pdserve.workers.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", seed=3)
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(6)]
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for mode in ("eager", "graph"):
-        loaded = load_model(path, dtype=torch.float32, device="cpu")
-        llm = LLM(loaded, device="cpu", max_batch_size=8, num_kv_blocks=64, tokens_per_block=B)
-        if mode == "graph":
-            graphs = loaded.model.enable_decode_graphs(llm.engine.kv_pool, max_batch=8, max_blocks=32,
-                                                       capture=False)
-        outs[mode] = [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
-    assert graphs.replays >= 19  # every decode-only step went through it
+    made = []
+
+    def graphs_on(loaded, llm) -> None:
+        made.append(loaded.model.enable_decode_graphs(llm.engine.kv_pool, max_batch=8, max_blocks=32,
+                                                      capture=False))
+
+    kw = dict(max_batch_size=8, num_kv_blocks=64, tokens_per_block=B)
+    outs = {"eager": greedy_tokens(path, prompts, 20, **kw), "graph": greedy_tokens(path, prompts, 20, graphs_on, **kw)}
+    assert made[0].replays >= 19  # every decode-only step went through it
     assert outs["graph"] == outs["eager"]
 
 

@@ -9,7 +9,8 @@ attention runs in two parts so the per-token part can be tiled over the flat bat
   back through the block table. Reads gather whole blocks with one ``index_select`` of contiguous
   rows into a reused workspace (fresh large allocations cost more than the copy itself); with
   the flex backend (``meta.flex``, flex_attention.py) decode tokens and chunks with cached
-  tokens read the pool in place instead.
+  tokens read the pool in place instead, and with the "paged" backend (``meta.paged_decode``)
+  decode tokens do, through pdserve's compiled CPU kernel (cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flex_attention
+from . import cpu_kernels, flex_attention
 from .batch import AttentionMetadata
 from .config import ModelConfig
 from .layers import PrepackedLinears, RMSNorm, _empty, linear, rotate_in_place
@@ -181,6 +182,11 @@ class PagedAttention(PrepackedLinears, nn.Module):
                 qc, kc, vc, attn_mask=mask, is_causal=mask is None, enable_gqa=kvh != h, scale=self.scale,
             )  # [1, h, n, d]
             out[rows] = o[0].transpose(0, 1)
+        if meta.paged_decode is not None:  # in place over the pool (cpu_kernels.py)
+            pd = meta.paged_decode
+            scale = self.scale if self.scale is not None else d ** -0.5
+            cpu_kernels.paged_decode_attention(q, layer_kv, pd.token_index, pd.tables, pd.lens, scale,
+                                               self.window, out)
         if meta.flex is not None:
             keys, values = flex_attention.pool_keys_values(layer_kv)
             calls = [meta.flex.decode] if meta.flex.decode is not None else []

@@ -92,6 +92,17 @@ class ContextChunk:
 
 
 @dataclass(slots=True)
+class PagedDecode:
+    """Decode tokens for the "paged" backend: rows ``token_index`` [n] of the flat batch,
+    ``tables`` [n, max_blocks] int64 block tables (padded with 0), ``lens`` [n] = past_len + 1
+    keys each (the kernel applies each layer's window itself)."""
+
+    token_index: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     num_tokens: int
     tokens_per_block: int
@@ -107,6 +118,9 @@ class AttentionMetadata:
     # The flex backend's calls (flex_attention.FlexPlan): decode tokens and the context chunks
     # with cached tokens; None with the SDPA backend.
     flex: Any = None
+    # The "paged" backend's decode tokens (cpu_kernels.paged_decode_attention reads the pool in
+    # place); None otherwise or without decode tokens.
+    paged_decode: PagedDecode | None = None
 
     @classmethod
     def build(
@@ -130,10 +144,10 @@ class AttentionMetadata:
         every plane's blocks, plane after plane. backend "flex": decode tokens and chunks with
         cached tokens get block masks in ``flex`` (a two-plane pool) instead of gathers."""
         flex = backend == "flex"
-        if backend not in ("sdpa", "flex"):
+        if backend not in ("sdpa", "flex", "paged"):
             raise ValueError(f"unknown attention backend {backend!r}")
-        if flex and num_planes != 2:
-            raise ValueError("the flex backend reads a two-plane (K, V) pool")
+        if backend != "sdpa" and num_planes != 2:
+            raise ValueError(f"the {backend} backend reads a two-plane (K, V) pool")
         B = tokens_per_block
         windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         slots = [0] * num_tokens
@@ -188,9 +202,12 @@ class AttentionMetadata:
         if not all(covered):
             raise ValueError("flat batch has rows that belong to no sequence")
 
-        plan = None
+        plan = paged = None
         if flex:
             plan = build_plan(decode, flex_chunks, B, num_blocks, windows, device)
+            decode = []
+        elif backend == "paged" and decode:
+            paged = _paged_decode(decode, B, device)
             decode = []
         groups = [
             _decode_group(g, B, num_blocks, windows, dtype, device, num_planes)
@@ -212,7 +229,19 @@ class AttentionMetadata:
             max_gather_rows=max_rows,
             decode_gather_rows=torch.cat([g.gather_rows for g in groups]) if groups else None,
             flex=plan,
+            paged_decode=paged,
         )
+
+
+def _paged_decode(decode: list[SeqBatchInfo], B: int, device: torch.device | str) -> PagedDecode:
+    nbs = [s.past_len // B + 1 for s in decode]
+    width = max(nbs)
+    tables = [list(s.block_table[:nb]) + [0] * (width - nb) for s, nb in zip(decode, nbs)]
+    return PagedDecode(
+        token_index=torch.tensor([s.start for s in decode], dtype=torch.long, device=device),
+        tables=torch.tensor(tables, dtype=torch.long, device=device),
+        lens=torch.tensor([s.past_len + 1 for s in decode], dtype=torch.long, device=device),
+    )
 
 
 def _plane_rows(ids: list[int], num_blocks: int, num_planes: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import flex_attention
+from . import cpu_kernels, flex_attention
 from .attention import PagedAttention, Workspace
 from .batch import GROUP_GATHER_BYTES, AttentionMetadata, SeqBatchInfo
 from .cuda_graphs import DecodeGraphs
@@ -141,12 +141,13 @@ class DecoderLM(nn.Module):
         # Byte cap of one decode group's per-layer K/V gather (see batch.py); tunable.
         self.decode_group_bytes = GROUP_GATHER_BYTES
         self.token_tile = TOKEN_TILE  # tunable, see DecoderLayer
-        # "sdpa" (gather + SDPA) or "flex" (FlexAttention over the pool in place, flex_attention.py).
+        # "sdpa" (gather + SDPA), "flex" (FlexAttention over the pool in place, flex_attention.py)
+        # or "paged" (decode through the compiled CPU kernel, cpu_kernels.py).
         self.attention_backend = "sdpa"
         # CUDA graphs of decode steps (cuda_graphs.py), set by enable_decode_graphs.
         self.decode_graphs: DecodeGraphs | None = None
         if self.flex_capable:
-            self.set_attention_backend(flex_attention.default_backend(self.device))
+            self.set_attention_backend(flex_attention.default_backend(self.device, config.head_dim))
 
     @property
     def flex_capable(self) -> bool:
@@ -159,12 +160,19 @@ class DecoderLM(nn.Module):
         return self.flex_capable and all(isinstance(layer.mlp, GatedMLP) for layer in self.layers)
 
     def set_attention_backend(self, backend: str) -> None:
-        """"sdpa" or "flex"; "flex" needs a flex-capable model and FlexAttention on this device
-        (on CUDA also tokens per block a multiple of 16, checked at the first step)."""
+        """"sdpa", "flex" or "paged" (flex_attention.BACKENDS); "flex" needs a flex-capable
+        model and FlexAttention on this device (on CUDA also tokens per block a multiple of 16,
+        checked at the first step); "paged" plain GQA attention on CPU with pdserve's CPU kernels
+        built. Otherwise "sdpa", with a warning."""
         if backend not in flex_attention.BACKENDS:
             raise ValueError(f"attention backend must be one of {flex_attention.BACKENDS}, got {backend!r}")
         if backend == "flex" and not (self.flex_capable and flex_attention.flex_supported(self.device)):
             log.warning("flex attention is not available for this model on %s; using sdpa", self.device)
+            backend = "sdpa"
+        if backend == "paged" and not (self.flex_capable and self.device.type == "cpu"
+                                       and cpu_kernels.supports_head_dim(self.config.head_dim)
+                                       and cpu_kernels.available()):
+            log.warning("the paged CPU kernel is not available for this model on %s; using sdpa", self.device)
             backend = "sdpa"
         self.attention_backend = backend
 

@@ -25,8 +25,8 @@ without cached tokens attend their own fresh K/V with SDPA as before (nothing to
 
 The kernel: ``torch.compile(flex_attention, dynamic=True)``, one compilation for all batch
 shapes (Triton on CUDA; on CPU inductor's C++ template, which needs a C++ compiler). Choosing
-the backend: ``default_backend`` ("sdpa" everywhere, see there; the environment variable
-``PDSERVE_ATTENTION_BACKEND`` = sdpa | flex overrides it).
+the backend: ``default_backend`` ("paged" on CPU, "sdpa" on CUDA, see there; the environment
+variable ``PDSERVE_ATTENTION_BACKEND`` = sdpa | flex | paged overrides it).
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("sdpa", "flex")
+# "sdpa": gather + SDPA; "flex": FlexAttention over the pool; "paged": decode tokens through
+# pdserve's compiled CPU kernel over the pool (cpu_kernels.py), chunks as "sdpa".
+BACKENDS = ("sdpa", "flex", "paged")
 ENV_BACKEND = "PDSERVE_ATTENTION_BACKEND"
 # Query rows per BlockMask row for context chunks (flex's default sparse block size; the CUDA
 # kernels need a multiple of their BLOCK_M).
@@ -78,16 +80,23 @@ def flex_supported(device: torch.device | str) -> bool:
     return False
 
 
-def default_backend(device: torch.device | str) -> str:
-    """"sdpa" unless the environment variable PDSERVE_ATTENTION_BACKEND says "flex". On the
-    2-core CPU gather + SDPA measured as fast or faster; on an H200 with torch 2.11 inductor found
-    no kernel config for these block masks (NoValidChoicesError, with 16 and with 64 tokens per
-    block), so every first step paid a failed compilation before falling back (docs/benchmarks.md)."""
+def default_backend(device: torch.device | str, head_dim: int | None = None) -> str:
+    """"paged" on CPU where pdserve's kernel builds and takes this head size (decode steps
+    1.04-1.40x faster than gather + SDPA on the 2-core VM, docs/benchmarks.md section 23), else
+    "sdpa"; the environment variable PDSERVE_ATTENTION_BACKEND overrides it. Never "flex" by
+    default: on the CPU it measured no faster than gather + SDPA, and on an H200 with torch 2.11
+    inductor found no kernel config for these block masks (NoValidChoicesError, with 16 and with
+    64 tokens per block), so every first step paid a failed compilation before falling back."""
     env = os.environ.get(ENV_BACKEND, "").strip().lower()
     if env:
         if env not in BACKENDS:
             raise ValueError(f"{ENV_BACKEND} must be one of {BACKENDS}, got {env!r}")
         return env
+    if torch.device(device).type == "cpu":
+        from . import cpu_kernels
+
+        if (head_dim is None or cpu_kernels.supports_head_dim(head_dim)) and cpu_kernels.available():
+            return "paged"
     return "sdpa"
 
 
