@@ -85,8 +85,9 @@ def default_backend(device: torch.device | str, head_dim: int | None = None) -> 
     1.04-1.40x faster than gather + SDPA on the 2-core VM, docs/benchmarks.md section 23), else
     "sdpa"; the environment variable PDSERVE_ATTENTION_BACKEND overrides it. Never "flex" by
     default: on the CPU it measured no faster than gather + SDPA, and on an H200 with torch 2.11
-    inductor found no kernel config for these block masks (NoValidChoicesError, with 16 and with
-    64 tokens per block), so every first step paid a failed compilation before falling back."""
+    the recompilation with symbolic shapes that dynamo makes once a second batch shape arrives
+    found no kernel config (NoValidChoicesError; static shapes compiled), so a worker paid a
+    failed compilation before falling back (docs/benchmarks.md section 22)."""
     env = os.environ.get(ENV_BACKEND, "").strip().lower()
     if env:
         if env not in BACKENDS:
