@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_models import StepDriver, greedy_tokens, windowed_qwen3  # noqa: E402
 
 from pdserve.workers.kv_pool import KVPool  # noqa: E402
-from pdserve.workers.model import ModelConfig, build_model  # noqa: E402
+from pdserve.workers.model import ModelConfig, SeqBatchInfo, build_model  # noqa: E402
 from pdserve.workers.model.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets  # noqa: E402
 
 B = 4
@@ -131,3 +131,13 @@ def test_models_without_a_fixed_shape_path_stay_eager() -> None:
                                       capture=False) is None
     _, dense = _model()
     assert dense.graph_capable
+
+
+def test_a_malformed_step_is_refused_as_the_eager_step_refuses_it() -> None:
+    cfg, model = _model()
+    pool = KVPool.for_model(cfg, 16, B)
+    graphs = model.enable_decode_graphs(pool, max_batch=4, max_blocks=4, capture=False)
+    bad = [SeqBatchInfo(0, 1, 9, (1, 2))]  # 10 tokens need 3 blocks of 4
+    assert not graphs.supports(bad, pool)
+    with pytest.raises(ValueError, match="block table"):
+        model(torch.tensor([5]), None, bad, pool)

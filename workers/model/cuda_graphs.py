@@ -101,12 +101,14 @@ class DecodeGraphs:
 
     def supports(self, seqs: Sequence[SeqBatchInfo], kv_pool: KVPool) -> bool:
         """Whether this step can run as a graph: decode tokens only, the pool the graphs were made
-        for, no more sequences and no longer tables than captured."""
+        for, no more sequences and no longer tables than captured, every table long enough."""
         if kv_pool is not self.kv_pool or not seqs or len(seqs) > self.max_batch:
             return False
         B = kv_pool.tokens_per_block
         for s in seqs:
-            if s.num_new_tokens != 1 or s.past_len // B + 1 > self.max_blocks:
+            nb = s.past_len // B + 1
+            # A malformed step (table too short) goes the eager way, whose metadata says why.
+            if s.num_new_tokens != 1 or nb > self.max_blocks or len(s.block_table) < nb:
                 return False
         return True
 
