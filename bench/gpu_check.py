@@ -26,10 +26,13 @@ with --small) and then:
     batches) on bench/engine.py's workload (Azure conversation lengths, prompts <= 512,
     outputs <= 64, EOS ignored), both warmed up, in the same dtype on the same device.
 (c) the device, torch/CUDA/transformers versions and the attention backend pdserve used
-    ("sdpa": gather + SDPA, the default; "flex": FlexAttention over the paged pool, opt-in).
+    ("sdpa": gather + SDPA, the default on CUDA; "paged": pdserve's Triton decode kernel over
+    the pool, opt-in; "flex": FlexAttention over the paged pool, opt-in). Where the paged
+    kernel runs, the throughput part also times the engine with the other of "sdpa"/"paged".
 (d) on CUDA, CUDA graphs: the engine runs decode steps as graphs (unless --enforce-eager); the
     throughput part also times the same engine with every step eager, and one decode step at
-    1, 8, 32 and 64 sequences eager against the graph.
+    1, 8, 32 and 64 sequences with 256 and 2,048 cached tokens, eager against the graph, for
+    each of "paged" and "sdpa".
 
 Exit status: 0 when parity holds, 1 when it fails. Budget: under 8 minutes on one H200.
 """
@@ -264,12 +267,10 @@ def pdserve_engine(llm, work, device: str) -> dict[str, Any]:
 
     prompts = [p for p, _ in work]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in work]
-    # Warm-up: every prompt with a few tokens (the token budget chunks prompts, so chunks over
-    # cached tokens run), then a few requests to their end (decode batches shrinking to 1):
-    # the attention kernels compile for the shape families the timed run meets.
-    llm.generate(prompts, [SamplingParams(max_tokens=min(n, 3), temperature=0.0, ignore_eos=True) for _, n in work])
-    k = min(8, len(work))
-    llm.generate(prompts[:k], params[:k])
+    # Warm-up: the whole workload once, untimed. The timed run then meets no first-time work:
+    # kernels compiled for its shapes (Triton's JIT), every decode-graph bucket it reaches
+    # captured (graphs are captured lazily, the first time a bucket comes up).
+    llm.generate(prompts, params)
     _sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -277,40 +278,57 @@ def pdserve_engine(llm, work, device: str) -> dict[str, Any]:
     return {"output_tokens": sum(len(o.token_ids) for o in outs), "seconds": time.perf_counter() - t0}
 
 
-def decode_step_latency(loaded, device: str, batches=(1, 8, 32, 64), context: int = 256,
-                        iters: int = 30) -> dict[int, dict[str, float]]:
-    """One decode step's time (ms, mean of ``iters`` after warm-up) for each batch size, every
-    sequence with ``context`` cached tokens: eager forward against the captured graph."""
+def decode_step_latency(loaded, device: str, batches=(1, 8, 32, 64), contexts=(256, 2048),
+                        iters: int = 30) -> dict[str, dict[str, float]]:
+    """One decode step's time (ms, mean of ``iters`` after warm-up) for each batch size and
+    cached length, eager forward against the captured graph, for each attention backend that
+    runs here ("paged": pdserve's kernel over the pool; "sdpa": gather + SDPA). Keys
+    "backend/n/context"."""
     from pdserve.workers.kv_pool import KVPool
     from pdserve.workers.model import SeqBatchInfo
+    from pdserve.workers.model.flex_attention import paged_supported
 
     model = loaded.model
-    nb = context // B + 1
+    capture = device.startswith("cuda")  # CPU: the same fixed-shape path, eager
+    nb = max(contexts) // B + 1
     pool = KVPool.for_model(loaded.config, max(batches) * nb + 1, B, dtype=model.dtype, device=device)
-    saved = model.decode_graphs
-    graphs = model.enable_decode_graphs(pool, max_batch=max(batches), max_blocks=nb,
-                                        capture=device.startswith("cuda"))  # CPU: the same path, eager
-    out: dict[int, dict[str, float]] = {}
+    saved, saved_backend = model.decode_graphs, model.attention_backend
+    backends = ["paged", "sdpa"] if paged_supported(device, loaded.config.head_dim) else ["sdpa"]
+    out: dict[str, dict[str, float]] = {}
     try:
-        for n in batches:
-            seqs = [SeqBatchInfo(i, 1, context, tuple(range(i * nb, (i + 1) * nb))) for i in range(n)]
-            ids = torch.randint(3, loaded.config.vocab_size, (n,))
-            row = {}
-            for mode in ("eager", "graph"):
-                model.decode_graphs = graphs if mode == "graph" else None
-                for _ in range(3):
-                    model(ids, None, seqs, pool)
-                _sync(device)
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    model(ids, None, seqs, pool)
-                _sync(device)
-                row[mode] = (time.perf_counter() - t0) / iters * 1e3
-            out[n] = row
-            print(f"  decode step, {n} seqs x {context} cached tokens: eager {row['eager']:.2f} ms, "
-                  f"CUDA graph {row['graph']:.2f} ms ({row['eager'] / row['graph']:.2f}x)", flush=True)
+        for backend in backends:
+            model.set_attention_backend(backend)
+            graphs = model.enable_decode_graphs(pool, max_batch=max(batches), max_blocks=nb, capture=capture)
+            for context in contexts:
+                for n in batches:
+                    seqs = [SeqBatchInfo(i, 1, context, tuple(range(i * nb, (i + 1) * nb))) for i in range(n)]
+                    ids = torch.randint(3, loaded.config.vocab_size, (n,), device=device)
+                    row = {}
+                    for mode in ("eager", "graph"):
+                        model.decode_graphs = graphs if mode == "graph" else None
+                        for _ in range(3):
+                            model(ids, None, seqs, pool)
+                        _sync(device)
+                        t0 = time.perf_counter()
+                        for _ in range(iters):
+                            model(ids, None, seqs, pool)
+                        _sync(device)
+                        row[mode] = (time.perf_counter() - t0) / iters * 1e3
+                    out[f"{backend}/{n}/{context}"] = row
+                    print(f"  decode step, {backend:5s}, {n:2d} seqs x {context:4d} cached tokens: eager "
+                          f"{row['eager']:.2f} ms, CUDA graph {row['graph']:.2f} ms "
+                          f"({row['eager'] / row['graph']:.2f}x)", flush=True)
+        for key, row in out.items():
+            backend, rest = key.split("/", 1)
+            if backend == "paged" and f"sdpa/{rest}" in out:
+                row["graph_vs_sdpa"] = out[f"sdpa/{rest}"]["graph"] / row["graph"]
+        if "paged" in backends and "sdpa" in backends:
+            print("  paged kernel vs gather + SDPA, graph steps: "
+                  + ", ".join(f"{k.split('/', 1)[1]} {r['graph_vs_sdpa']:.2f}x" for k, r in out.items()
+                              if "graph_vs_sdpa" in r), flush=True)
     finally:
         model.decode_graphs = saved
+        model.set_attention_backend(saved_backend)
     return out
 
 
@@ -327,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="a smaller model (tiny on CPU)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
-    ap.add_argument("--attention-backend", choices=("default", "sdpa", "flex"), default="default",
-                    help="pdserve's attention backend (default: sdpa; flex failed to compile on an H200 "
-                         "with torch 2.11, docs/benchmarks.md section 22)")
+    ap.add_argument("--attention-backend", choices=("default", "sdpa", "flex", "paged"), default="default",
+                    help="pdserve's attention backend (default: paged on CPU, sdpa on CUDA; flex failed "
+                         "to compile on an H200 with torch 2.11, docs/benchmarks.md section 22)")
     ap.add_argument("--model-root", default=None, help="where to write the model (default: a temp dir)")
     ap.add_argument("--num-requests", type=int, default=None, help="throughput workload (default 64; 12 on CPU)")
     ap.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default 16; 8 on CPU)")
@@ -353,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     global B
     B = args.tokens_per_block
     from pdserve.workers.loader import load_model
+    from pdserve.workers.model.flex_attention import paged_supported
 
     device = args.device
     cpu = device == "cpu"
@@ -430,6 +449,17 @@ def main(argv: list[str] | None = None) -> int:
             runs["pdserve_eager"] = pdserve_engine(eager, tw, device)
             del eager
             report["graphs"] = {"captured": sorted(graphs.graphs), "replays": graphs.replays}
+        used = loaded.model.attention_backend
+        other = {"paged": "sdpa", "sdpa": "paged"}.get(used)
+        if other == "sdpa" or (other == "paged" and paged_supported(device, loaded.config.head_dim)):
+            # The same engine (graphs of its own) with the other decode attention: pdserve's
+            # kernel over the pool against gather + SDPA.
+            loaded.model.set_attention_backend(other)
+            second = LLM(loaded, enforce_eager=args.enforce_eager, **engine_args)
+            runs[f"pdserve_{other}"] = pdserve_engine(second, tw, device)
+            del second
+            loaded.model.set_attention_backend(used)
+            loaded.model.decode_graphs = graphs
         del hf32
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -449,6 +479,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  pdserve eager (enforce_eager) {e['tokens_per_s']:.1f} tok/s: CUDA graphs "
                   f"{pd['tokens_per_s'] / e['tokens_per_s']:.2f}x; {len(graphs.graphs)} graphs captured, "
                   f"{graphs.replays} replays", flush=True)
+        for other, what in (("sdpa", "gather + SDPA"), ("paged", "the paged kernel")):
+            if f"pdserve_{other}" in runs:
+                g = runs[f"pdserve_{other}"]
+                print(f"  pdserve with {what} ({other}) {g['tokens_per_s']:.1f} tok/s: "
+                      f"{pd['tokens_per_s'] / g['tokens_per_s']:.2f}x for {loaded.model.attention_backend}",
+                      flush=True)
         if graphs is not None or args.decode_latency:
             report["decode_step_ms"] = decode_step_latency(loaded, device)
 

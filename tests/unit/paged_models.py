@@ -14,14 +14,14 @@ CONFIG = dict(
 )
 
 
-def windowed_qwen3():
-    """(config, fp32 CPU model with seeded random weights, prepacked)."""
+def windowed_qwen3(device: str = "cpu"):
+    """(config, fp32 model on ``device`` with seeded random weights, prepacked)."""
     cfg = ModelConfig.from_hf_dict(CONFIG)
     torch.manual_seed(0)
-    model = build_model(cfg, dtype=torch.float32, device="cpu")
+    model = build_model(cfg, dtype=torch.float32, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+            p.copy_(torch.empty(p.shape).normal_(1.0 if "norm" in name else 0.0, 0.1))  # same on any device
     model.prepack_linears()
     return cfg, model
 

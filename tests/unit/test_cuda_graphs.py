@@ -44,10 +44,15 @@ def test_capture_needs_cuda() -> None:
         DecodeGraphs(model, pool, max_batch=4, max_blocks=4)
 
 
-def test_graph_steps_match_eager_steps() -> None:
+@pytest.mark.parametrize("backend", ["sdpa", "paged"])
+def test_graph_steps_match_eager_steps(backend) -> None:
     """Two pools fed the same steps: one always eager, one through the fixed-shape path for
-    every decode-only step. Logits within 1e-5 and the same K/V in the pools."""
+    every decode-only step. Logits within 1e-5 and the same K/V in the pools. Both forms of
+    the fixed-shape metadata: padded gathers with masks (sdpa), padded tables (paged)."""
     cfg, model = _model()
+    model.set_attention_backend(backend)
+    if model.attention_backend != backend:
+        pytest.skip(f"the {backend} backend does not run here")
     num_blocks = 200
     pools = {"eager": KVPool.for_model(cfg, num_blocks, B), "graph": KVPool.for_model(cfg, num_blocks, B)}
     graphs = model.enable_decode_graphs(pools["graph"], max_batch=12, max_blocks=16, capture=False)

@@ -10,7 +10,8 @@ attention runs in two parts so the per-token part can be tiled over the flat bat
   rows into a reused workspace (fresh large allocations cost more than the copy itself); with
   the flex backend (``meta.flex``, flex_attention.py) decode tokens and chunks with cached
   tokens read the pool in place instead, and with the "paged" backend (``meta.paged_decode``)
-  decode tokens do, through pdserve's compiled CPU kernel (cpu_kernels.py).
+  decode tokens do, through pdserve's compiled CPU kernel (cpu_kernels.py) or its Triton kernel
+  on CUDA (gpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels, flex_attention
+from . import cpu_kernels, flex_attention, gpu_kernels
 from .batch import AttentionMetadata
 from .config import ModelConfig
 from .layers import PrepackedLinears, RMSNorm, _empty, linear, rotate_in_place
@@ -185,8 +186,8 @@ class PagedAttention(PrepackedLinears, nn.Module):
         if meta.paged_decode is not None:  # in place over the pool (cpu_kernels.py)
             pd = meta.paged_decode
             scale = self.scale if self.scale is not None else d ** -0.5
-            cpu_kernels.paged_decode_attention(q, layer_kv, pd.token_index, pd.tables, pd.lens, scale,
-                                               self.window, out)
+            kernels = gpu_kernels if layer_kv.device.type != "cpu" else cpu_kernels
+            kernels.paged_decode_attention(q, layer_kv, pd.token_index, pd.tables, pd.lens, scale, self.window, out)
         if meta.flex is not None:
             keys, values = flex_attention.pool_keys_values(layer_kv)
             calls = [meta.flex.decode] if meta.flex.decode is not None else []

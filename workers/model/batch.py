@@ -118,7 +118,7 @@ class AttentionMetadata:
     # The flex backend's calls (flex_attention.FlexPlan): decode tokens and the context chunks
     # with cached tokens; None with the SDPA backend.
     flex: Any = None
-    # The "paged" backend's decode tokens (cpu_kernels.paged_decode_attention reads the pool in
+    # The "paged" backend's decode tokens (cpu_kernels or gpu_kernels .paged_decode_attention read the pool in
     # place); None otherwise or without decode tokens.
     paged_decode: PagedDecode | None = None
 
@@ -324,15 +324,25 @@ def static_decode_metadata(
     windows: Sequence[int | None],
     dtype: torch.dtype,
     num_planes: int = 2,
+    *,
+    paged: bool = False,
 ) -> AttentionMetadata:
     """A decode-only step's metadata computed on the device from fixed-shape tensors, with no
     host work and no shape that depends on the values: the form a CUDA graph can capture and
     replay (cuda_graphs.py). Every sequence is row i of the flat batch and one decode group pads
     all of them to W blocks; the masks hide the padding, so each row attends exactly the keys
-    ``AttentionMetadata.build`` gives it (the same math, over more masked keys)."""
+    ``AttentionMetadata.build`` gives it (the same math, over more masked keys). ``paged``: the
+    "paged" backend's form instead, the padded tables and the lengths (its kernel reads only
+    each row's own keys)."""
     N, W = tables.shape
     B = tokens_per_block
     device = tables.device
+    index = torch.arange(N, device=device)
+    if paged:
+        return AttentionMetadata(
+            num_tokens=N, tokens_per_block=B, positions=positions, slots=slots, last_token_index=index,
+            paged_decode=PagedDecode(token_index=index, tables=tables.contiguous(), lens=positions + 1),
+        )
     flat = tables.reshape(-1)
     rows = torch.cat([flat + p * num_blocks for p in range(num_planes)]) if num_planes > 1 else flat
     lens = (positions + 1)[:, None]  # [N, 1]: keys 0 .. past_len
@@ -344,7 +354,6 @@ def static_decode_metadata(
             allowed = allowed & (k_pos > lens - 1 - w)
         masks[w] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(
             ~allowed, float("-inf")).view(N, 1, 1, W * B)
-    index = torch.arange(N, device=device)
     group = DecodeGroup(token_index=index, gather_rows=rows, num_seqs=N, max_blocks=W, masks=masks)
     return AttentionMetadata(
         num_tokens=N, tokens_per_block=B, positions=positions, slots=slots, last_token_index=index,

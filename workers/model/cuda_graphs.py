@@ -118,14 +118,15 @@ class DecodeGraphs:
         B = self.kv_pool.tokens_per_block
         width = max(s.past_len // B + 1 for s in seqs)
         N, W = _bucket(self.batch_sizes, n), _bucket(self.widths, width)
-        ids = input_ids.tolist() if input_ids.device.type == "cpu" else input_ids.cpu().tolist()
         rows = []
         for i in range(N):
             s = seqs[min(i, n - 1)]  # padding repeats the last sequence
             pos = s.past_len
             nb = pos // B + 1
             table = list(s.block_table[:nb])
-            rows.append([ids[s.start], pos, table[-1] * B + pos % B, *table, *[table[0]] * (W - nb)])
+            # The id column first holds the token's row in input_ids; the gather below turns it
+            # into the id on the device (no device -> host read of the ids).
+            rows.append([s.start, pos, table[-1] * B + pos % B, *table, *[table[0]] * (W - nb)])
         count = N * (_COLS + W)
         if self._copied is not None:
             self._copied.synchronize()
@@ -133,6 +134,8 @@ class DecodeGraphs:
         self.inputs[:count].copy_(self._host[:count], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        id_column = self.inputs[:count].view(N, _COLS + W)[:, _ID]
+        id_column.copy_(input_ids.index_select(0, id_column))
         graph, out = self.graphs.get((N, W)) or self._make(N, W)
         if graph is None:
             out = self._step(N, W, self.workspace)  # capture=False: the same fixed-shape step, eagerly
@@ -147,7 +150,8 @@ class DecodeGraphs:
         inputs = self.inputs[:N * (_COLS + W)].view(N, _COLS + W)
         meta = static_decode_metadata(
             inputs[:, _POS], inputs[:, _SLOT], inputs[:, _COLS:_COLS + W], pool.tokens_per_block,
-            pool.num_blocks, model.config.layer_windows, model.dtype, pool.num_planes)
+            pool.num_blocks, model.config.layer_windows, model.dtype, pool.num_planes,
+            paged=model.attention_backend == "paged")
         return model.run_layers(inputs[:, _ID], meta, pool, workspace)
 
     def _make(self, N: int, W: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:

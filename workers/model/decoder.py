@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels, flex_attention
+from . import flex_attention
 from .attention import PagedAttention, Workspace
 from .batch import GROUP_GATHER_BYTES, AttentionMetadata, SeqBatchInfo
 from .cuda_graphs import DecodeGraphs
@@ -142,7 +142,7 @@ class DecoderLM(nn.Module):
         self.decode_group_bytes = GROUP_GATHER_BYTES
         self.token_tile = TOKEN_TILE  # tunable, see DecoderLayer
         # "sdpa" (gather + SDPA), "flex" (FlexAttention over the pool in place, flex_attention.py)
-        # or "paged" (decode through the compiled CPU kernel, cpu_kernels.py).
+        # or "paged" (decode through pdserve's kernel: cpu_kernels.py, gpu_kernels.py on CUDA).
         self.attention_backend = "sdpa"
         # CUDA graphs of decode steps (cuda_graphs.py), set by enable_decode_graphs.
         self.decode_graphs: DecodeGraphs | None = None
@@ -162,17 +162,16 @@ class DecoderLM(nn.Module):
     def set_attention_backend(self, backend: str) -> None:
         """"sdpa", "flex" or "paged" (flex_attention.BACKENDS); "flex" needs a flex-capable
         model and FlexAttention on this device (on CUDA also tokens per block a multiple of 16,
-        checked at the first step); "paged" plain GQA attention on CPU with pdserve's CPU kernels
-        built. Otherwise "sdpa", with a warning."""
+        checked at the first step); "paged" plain GQA attention with pdserve's decode kernel on
+        this device (the CPU kernel built, or Triton on CUDA). Otherwise "sdpa", with a warning."""
         if backend not in flex_attention.BACKENDS:
             raise ValueError(f"attention backend must be one of {flex_attention.BACKENDS}, got {backend!r}")
         if backend == "flex" and not (self.flex_capable and flex_attention.flex_supported(self.device)):
             log.warning("flex attention is not available for this model on %s; using sdpa", self.device)
             backend = "sdpa"
-        if backend == "paged" and not (self.flex_capable and self.device.type == "cpu"
-                                       and cpu_kernels.supports_head_dim(self.config.head_dim)
-                                       and cpu_kernels.available()):
-            log.warning("the paged CPU kernel is not available for this model on %s; using sdpa", self.device)
+        if backend == "paged" and not (self.flex_capable and flex_attention.paged_supported(
+                self.device, self.config.head_dim)):
+            log.warning("the paged decode kernel is not available for this model on %s; using sdpa", self.device)
             backend = "sdpa"
         self.attention_backend = backend
 

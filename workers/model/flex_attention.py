@@ -40,7 +40,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # "sdpa": gather + SDPA; "flex": FlexAttention over the pool; "paged": decode tokens through
-# pdserve's compiled CPU kernel over the pool (cpu_kernels.py), chunks as "sdpa".
+# pdserve's own kernel over the pool (cpu_kernels.py on CPU, gpu_kernels.py on CUDA), chunks as
+# "sdpa".
 BACKENDS = ("sdpa", "flex", "paged")
 ENV_BACKEND = "PDSERVE_ATTENTION_BACKEND"
 # Query rows per BlockMask row for context chunks (flex's default sparse block size; the CUDA
@@ -80,10 +81,28 @@ def flex_supported(device: torch.device | str) -> bool:
     return False
 
 
+def paged_supported(device: torch.device | str, head_dim: int | None = None) -> bool:
+    """Whether the "paged" backend's decode kernel runs here: on CPU pdserve's C++ kernel built
+    and taking this head size (cpu_kernels.py), on CUDA its Triton kernel (gpu_kernels.py)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        from . import cpu_kernels
+
+        return (head_dim is None or cpu_kernels.supports_head_dim(head_dim)) and cpu_kernels.available()
+    if dev.type == "cuda":
+        from . import gpu_kernels
+
+        return gpu_kernels.available()
+    return False
+
+
 def default_backend(device: torch.device | str, head_dim: int | None = None) -> str:
-    """"paged" on CPU where pdserve's kernel builds and takes this head size (decode steps
+    """"paged" on CPU where pdserve's C++ kernel builds and takes this head size (decode steps
     1.04-1.40x faster than gather + SDPA on the 2-core VM, docs/benchmarks.md section 23), else
-    "sdpa"; the environment variable PDSERVE_ATTENTION_BACKEND overrides it. Never "flex" by
+    "sdpa"; the environment variable PDSERVE_ATTENTION_BACKEND overrides it. On CUDA "paged"
+    (the Triton kernel) is opt-in: on an H200 its captured decode steps were 0.96-1.94x those
+    of gather + SDPA, but whole engine runs with it measured 0.30-0.35x, unexplained so far
+    (docs/benchmarks.md section 22). Never "flex" by
     default: on the CPU it measured no faster than gather + SDPA, and on an H200 with torch 2.11
     the recompilation with symbolic shapes that dynamo makes once a second batch shape arrives
     found no kernel config (NoValidChoicesError; static shapes compiled), so a worker paid a
@@ -93,11 +112,8 @@ def default_backend(device: torch.device | str, head_dim: int | None = None) -> 
         if env not in BACKENDS:
             raise ValueError(f"{ENV_BACKEND} must be one of {BACKENDS}, got {env!r}")
         return env
-    if torch.device(device).type == "cpu":
-        from . import cpu_kernels
-
-        if (head_dim is None or cpu_kernels.supports_head_dim(head_dim)) and cpu_kernels.available():
-            return "paged"
+    if torch.device(device).type == "cpu" and paged_supported(device, head_dim):
+        return "paged"
     return "sdpa"
 
 
