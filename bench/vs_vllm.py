@@ -32,8 +32,9 @@ Both systems run the same dtype (``--dtype``, float32 by default: the same arith
 same context limit (vLLM ``--max-model-len 2048``, pdserve ``--max-seq-len 2048``). Each runs as a
 user would start it: vLLM with torch.compile and ``VLLM_CPU_OMP_THREADS_BIND=auto`` (its defaults:
 on 2 CPUs its engine gets one core, its API server the other; ``--vllm-enforce-eager`` and
-``--vllm-threads-bind nobind`` change them), pdserve with its launch defaults (one torch thread
-per worker). What ran is printed and written to ``--json``, with the load average around each run
+``--vllm-threads-bind nobind`` change them), pdserve with its launch defaults (``--torch-threads
+auto``: a node's CPUs shared by its workers, decode-sized steps on one thread less; on 2 CPUs a
+colocated worker prefills on 2 threads and decodes on 1, 1P1D's workers run 1 each). What ran is printed and written to ``--json``, with the load average around each run
 (the figures are only as quiet as the machine).
 
 The model's tokenizer: make_tiny_model's byte-level tokenizer has 259 tokens, so ids 259-4095 of
@@ -511,7 +512,7 @@ def report(ctx: Ctx, results: dict[str, Any]) -> None:
     a = ctx.args
     print(f"\npdserve vs vLLM ({results['vllm_version']}), {a.dtype}, on {os.cpu_count()} CPUs; "
           f"vLLM {'eager (--enforce-eager)' if a.vllm_enforce_eager else 'with torch.compile (its default)'}, "
-          f"VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}; pdserve's launch defaults (one torch thread per worker)"
+          f"VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}; pdserve's launch defaults (--torch-threads auto)"
           f"{' with ' + a.pdserve_args if a.pdserve_args else ''}; "
           f"{'every server up at once, ' + str(a.rounds) + ' interleaved rounds' if a.rounds > 1 else 'one server at a time'}")
     for name, sr in results["sizes"].items():

@@ -98,10 +98,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="when a remote prefill's KV moves: after_prefill (the default: once "
                              "the prefill is over) or layerwise (each layer as the context "
                              "worker's forward writes it)")
-    parser.add_argument("--torch-threads", type=int, metavar="N",
-                        help="torch (OpenMP) threads per worker process (default 1: one core a worker, "
-                             "as vLLM's CPU engine gets; more threads stall when other processes "
-                             "share the cores)")
+    parser.add_argument("--torch-threads", type=_threads, metavar="N|auto",
+                        help="torch (OpenMP) threads per worker process (default auto: the node's CPUs "
+                             "shared by the workers on it, decode-sized steps on one thread less so "
+                             "the router keeps a core; 1 is the most robust on a loaded machine)")
     parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
                         help="send KV requests by Ray alone, not also over the direct "
                              "worker-to-worker link")
@@ -132,6 +132,19 @@ ENGINE_FLAG_HELP = {
     "dtype": "auto (the default: the checkpoint's bfloat16 or float16 as stored; float32 "
              "checkpoints run as float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
 }
+
+
+def _threads(value: str) -> int | str:
+    """--torch-threads: a positive integer or auto."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}")
+    return n
 
 
 def _resources_flag(flag: str):

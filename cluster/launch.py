@@ -43,7 +43,10 @@ class LaunchConfig:
     placement: str = "pack"  # or "spread"
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
-    torch_threads: int = 1
+    # torch (OpenMP) threads per worker: a count, or "auto": the node's CPUs shared evenly by
+    # the pdserve workers placed on it, with decode-sized steps on one thread less
+    # (EngineConfig.small_step_threads) so the router keeps a core while tokens stream.
+    torch_threads: int | str = "auto"
     metrics: bool = True
     stall_send_s: float = 0.0  # test hook for fault injection on the context workers
     max_restarts: int = 3  # per worker actor; -1: without limit
@@ -69,8 +72,9 @@ class LaunchConfig:
             raise ValueError("num_context_workers must be >= 0")
         if self.placement not in ("pack", "spread"):
             raise ValueError(f"placement must be pack or spread, got {self.placement!r}")
-        if self.torch_threads < 1:
-            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.torch_threads != "auto" and (not isinstance(self.torch_threads, int)
+                                             or isinstance(self.torch_threads, bool) or self.torch_threads < 1):
+            raise ValueError(f"torch_threads must be an integer >= 1 or 'auto', got {self.torch_threads!r}")
         for name in ("context_resources", "generation_resources"):
             check_resources(name, getattr(self, name))
 
@@ -478,6 +482,7 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
                           f"{cfg.placement}) was not placed within {cfg.placement_timeout_s:.0f} s: "
                           f"{why or f'free resources now: {ray.available_resources()}'}") from None
 
+    sharing = workers_per_node(pg, len(roles)) if cfg.torch_threads == "auto" else [1] * len(roles)
     workers: dict[str, Any] = {}
     for index, (prefix, i, cls, overrides, _) in enumerate(roles):
         worker_id = f"{prefix}-{i}"
@@ -492,7 +497,7 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         )
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
-                      torch_threads=cfg.torch_threads,
+                      torch_threads=cfg.torch_threads, workers_on_node=sharing[index],
                       metrics=WorkerMetrics if cfg.metrics else None,
                       connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link,
                       builtin_model=cfg.model is None, model_commit=model_commit)
@@ -507,6 +512,23 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
     return Cluster(router, workers, port, model_dir, pg, http_port, router_cfg, cfg.metrics,
                    model_name=cfg.model or str(model_dir))
+
+
+def workers_per_node(pg: Any, num_workers: int) -> list[int]:
+    """For each worker (bundle index), how many of the pdserve workers share its node."""
+    from ray.util.placement_group import placement_group_table
+
+    nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+    count: dict[Any, int] = {}
+    for index in range(num_workers):
+        count[nodes.get(index)] = count.get(nodes.get(index), 0) + 1
+    return [count[nodes.get(index)] for index in range(num_workers)]
+
+
+def auto_threads(node_cpus: int, workers_on_node: int) -> int:
+    """--torch-threads auto: the node's CPUs (the machine's, not Ray's logical count) shared
+    evenly by the pdserve workers on it, at least one each."""
+    return max(1, node_cpus // max(1, workers_on_node))
 
 
 def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,

@@ -35,6 +35,15 @@ class EngineConfig:
     # vLLM's flag: True runs every step eagerly; False (default) replays decode-only steps as
     # CUDA graphs on CUDA (workers/model/cuda_graphs.py). No effect on CPU.
     enforce_eager: bool = False
+    # CPU intra-op threads by step size: a step of fewer than small_step_tokens tokens (decode
+    # batches) runs on small_step_threads torch threads, a larger one (prefill chunks) on all the
+    # process has. None: every step on all. A decode step streams its tokens through the
+    # router at once; on a 2-core VM a colocated worker's decode steps ran 25 % slower on 2
+    # threads than on 1 (the second core serves the router and the HTTP clients), while its
+    # prefills ran 1.5x faster on 2 (docs/benchmarks.md section 20). `pdserve launch
+    # --torch-threads auto` sets it to one thread less than the worker's.
+    small_step_threads: int | None = None
+    small_step_tokens: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity_scheduler_policy, str):
@@ -49,11 +58,13 @@ class EngineConfig:
                 None if value.upper() in ("", "NONE", "OFF")
                 else _enum(ContextChunkingPolicy, value, "context_chunking_policy"),
             )
-        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block", "chunk_unit_size"):
+        for name in ("max_batch_size", "max_num_tokens", "tokens_per_block", "chunk_unit_size",
+                     "small_step_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_input_len", "max_seq_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_input_len", "max_seq_len",
+                     "small_step_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

@@ -191,6 +191,12 @@ class Executor:
         if transceiver is not None and transceiver.events is None:
             transceiver.events = self.events
         self._device = kv_pool.device
+        # Intra-op threads per step (EngineConfig.small_step_threads): (small, all, min tokens),
+        # or None when every step runs on all of them. "All" is the count when the engine is
+        # built (the worker sets it first).
+        small = config.small_step_threads
+        self._step_threads = (None if small is None or self._device.type != "cpu"
+                              else (small, torch.get_num_threads(), config.small_step_tokens))
         self._clock = clock
         self._num_deadlines = 0  # tracked requests that have a deadline
         # Paused requests not yet prefilled again: id -> time.monotonic() of the pause.
@@ -798,6 +804,11 @@ class Executor:
         prompt_rows = [(request, seqs[i]) for i, (request, _) in enumerate(contexts)
                        if self.tracked[request.request_id].prompt_logprobs is not None]
         t0 = time.perf_counter()
+        if self._step_threads is not None:
+            small, full, min_tokens = self._step_threads
+            want = small if len(input_ids) < min_tokens else full
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)  # the calling thread's count, which the step uses
         ids = torch.tensor(input_ids, dtype=torch.long, device=self._device)
         logits = self.model.forward(ids, None, seqs, self.kv_pool, all_logits=bool(prompt_rows),
                                     on_layer=on_layer)  # [len(seqs), V], or [T, V]

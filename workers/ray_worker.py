@@ -89,13 +89,22 @@ class RayWorker:
 
     def __init__(self, worker_id: str, model_dir: str, engine: dict[str, Any], *,
                  lease_s: float = 30.0, transfer_timeout_s: float = 30.0,
-                 torch_threads: int | None = None,
+                 torch_threads: int | str | None = None, workers_on_node: int = 1,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
                  connect_timeout_s: float = 30.0, kv_link: bool = True,
                  builtin_model: bool = False, model_commit: str | None = None) -> None:
         import ray
         import torch
 
+        if torch_threads == "auto":
+            # This node's CPUs shared by the pdserve workers on it; decode-sized steps on one
+            # thread less (EngineConfig.small_step_threads), leaving the router a core while
+            # tokens stream.
+            from pdserve.cluster.launch import auto_threads
+
+            torch_threads = auto_threads(len(os.sched_getaffinity(0)), workers_on_node)
+            if torch_threads > 1 and engine.get("small_step_threads") is None:
+                engine = {**engine, "small_step_threads": torch_threads - 1}
         if torch_threads:
             torch.set_num_threads(torch_threads)
         events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page

@@ -119,11 +119,28 @@ def test_a_bad_resource_flag_is_an_error_naming_the_flag(value, says, capsys):
     assert "argument --generation-resources" in err and says in err
 
 
-def test_torch_threads_flag_reaches_the_launch_config_and_is_checked():
-    assert launch_config_from_args(parse()).torch_threads == 1  # one core a worker by default
+def test_torch_threads_flag_reaches_the_launch_config_and_is_checked(capsys):
+    assert launch_config_from_args(parse()).torch_threads == "auto"  # the node's CPUs, shared
     assert launch_config_from_args(parse("--torch-threads", "2")).torch_threads == 2
-    with pytest.raises(ValueError, match="torch_threads must be >= 1, got 0"):
-        launch_config_from_args(parse("--torch-threads", "0"))
+    assert launch_config_from_args(parse("--torch-threads", "AUTO")).torch_threads == "auto"
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parse("--torch-threads", bad)
+        assert "argument --torch-threads: expected a positive integer or auto" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="torch_threads must be an integer >= 1 or 'auto', got 0"):
+        L.LaunchConfig(torch_threads=0)
+
+
+def test_auto_threads_share_each_node_among_its_workers(monkeypatch):
+    """Three workers on one node and one alone on another: each learns how many share its node,
+    and divides that node's CPUs (the machine's count, not Ray's logical one) by it."""
+    import importlib
+
+    pgmod = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is a function)
+    monkeypatch.setattr(pgmod, "placement_group_table",
+                        lambda pg: {"bundles_to_node_id": {0: "a", 1: "a", 2: "b", 3: "a"}})
+    assert L.workers_per_node(object(), 4) == [3, 3, 1, 3]
+    assert [L.auto_threads(2, 3), L.auto_threads(8, 1), L.auto_threads(2, 1), L.auto_threads(16, 3)] == [1, 8, 2, 5]
 
 
 def test_yaml_resources_are_checked_too():
