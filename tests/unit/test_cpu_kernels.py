@@ -126,3 +126,41 @@ def test_engine_tokens_equal_across_backends(tmp_path) -> None:
 
         outs[backend] = greedy_tokens(path, prompts, 24, use, max_batch_size=8, num_kv_blocks=64)
     assert outs["paged"] == outs["sdpa"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [16, 64, 200, 512, 1030])
+def test_rms_norm_ops_match_the_torch_formula(dtype, n) -> None:
+    """csrc/norms.cpp against transformers' formula: fp32 within float rounding of the sum
+    order; bf16/fp16 normalised in fp32, rounded, then scaled (the same roundings). x as a row
+    slice of a wider buffer, as the decoder layer passes it; add_rms_norm also updates x."""
+    from pdserve.workers.model.layers import RMSNorm
+
+    torch.manual_seed(n)
+    eps = 1e-6
+    base = torch.randn(9, n).to(dtype)
+    x = base[2:7]  # rows 2..6: unit stride, a row offset into the buffer
+    delta = torch.randn(5, n).to(dtype)
+    w = (torch.rand(n) + 0.5).to(dtype)
+
+    def ref(v):
+        if dtype == torch.float32:
+            return w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))
+        v32 = v.float()
+        return w * (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+    tol = 2e-6 if dtype == torch.float32 else (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    y = torch.ops.pdserve_cpu.rms_norm(x, w, eps)
+    assert (y.float() - ref(x).float()).abs().max().item() <= tol
+    expect_x = (x.float() + delta.float()).to(dtype)
+    expect_y = ref(expect_x)
+    before = base.clone()
+    y2 = torch.ops.pdserve_cpu.add_rms_norm(x, delta, w, eps)
+    assert torch.equal(x, expect_x)  # the residual stream updated in place, rounded to dtype
+    assert torch.equal(base[:2], before[:2]) and torch.equal(base[7:], before[7:])  # other rows untouched
+    assert (y2.float() - expect_y.float()).abs().max().item() <= tol
+    # The module takes the fused path for 2-D rows and torch's for other shapes, with one result.
+    norm = RMSNorm(n, eps, dtype=dtype, device="cpu")
+    norm.weight.data.copy_(w)
+    assert norm._fused(x) and not norm._fused(x.view(5, 1, n))
+    assert (norm(x).float() - norm(x.view(5, 1, n)).view(5, n).float()).abs().max().item() <= tol

@@ -4,6 +4,11 @@
 csrc/paged_attention.cpp). The "paged" attention backend uses it for decode tokens; context
 chunks keep gather + SDPA.
 
+``rms_norm`` / ``add_rms_norm`` (csrc/norms.cpp): RMSNorm as one op, and the residual add
+fused in front of it; ``layers.RMSNorm`` uses them on CPU rows whenever they are built (a
+decode step of the small benchmark model 3.5-7.6 % faster than torch's rms_norm, which runs as
+five or six ops).
+
 Built with ``torch.utils.cpp_extension.load`` (g++ and ninja; the ``ninja`` wheel is a
 dependency, its binary put on PATH when none is there) for this machine's CPU
 (``-march=native``), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -29,7 +34,7 @@ log = logging.getLogger(__name__)
 
 ENV_DISABLE = "PDSERVE_CPU_KERNELS"
 STALE_LOCK_S = 300.0
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "norms.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -53,7 +58,7 @@ def _load() -> bool:
     if os.environ.get(ENV_DISABLE, "").strip() in ("0", "false", "no", "off"):
         log.info("%s=0: compiled CPU kernels off", ENV_DISABLE)
         return False
-    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "paged_decode_attention"):
+    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "add_rms_norm"):
         return True
     try:
         if shutil.which("ninja") is None:
@@ -68,7 +73,7 @@ def _load() -> bool:
         except Exception as e:  # noqa: BLE001
             log.debug("no stale-lock check: %s", e)
         cpp_extension.load(
-            name=name, sources=[str(SOURCE)],
+            name=name, sources=[str(p) for p in SOURCES],
             # -fopenmp-simd: the simd pragmas only. Full -fopenmp would link a second OpenMP
             # runtime beside torch's, whose threads ignore torch.set_num_threads and spin
             # against the worker's own (measured slower than gather + SDPA that way).
@@ -76,6 +81,7 @@ def _load() -> bool:
             is_python_module=False, verbose=False,
         )
         torch.ops.pdserve_cpu.paged_decode_attention  # noqa: B018 - raises if not registered
+        torch.ops.pdserve_cpu.add_rms_norm  # noqa: B018
         return True
     except Exception as e:  # noqa: BLE001 - any build or load failure: fall back
         log.warning("pdserve's CPU kernels could not be built (%s: %s); decode attention uses "

@@ -85,8 +85,7 @@ class DecoderLayer(nn.Module):
                 x.add_(self.post_attn_norm(attn.output(att[t])))
                 x.add_(self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))))
             else:
-                x.add_(attn.output(att[t]))
-                x.add_(self.mlp(self.post_attn_norm(x)))
+                x.add_(self.mlp(self.post_attn_norm.add_norm(x, attn.output(att[t]))))
         return h
 
     def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .config import RopeConfig
+
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -78,7 +81,22 @@ class RMSNorm(nn.Module):
         self.size = size
         self.unit_offset = unit_offset
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether pdserve's one-op CPU RMSNorm (csrc/norms.cpp) takes x: rows [T, size] with
+        unit stride on a CPU whose kernels built; not Gemma's 1 + w scale."""
+        return (not self.unit_offset and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+                and x.dtype in _NORM_DTYPES and cpu_kernels.available())
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place (the residual stream), then self(x): one op on CPU."""
+        if self._fused(x) and delta.shape == x.shape and delta.stride(-1) == 1 and delta.dtype == x.dtype:
+            return torch.ops.pdserve_cpu.add_rms_norm(x, delta, self.weight, self.eps)
+        x.add_(delta)
+        return self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if self._fused(x):
+            return torch.ops.pdserve_cpu.rms_norm(x, self.weight, self.eps)
         if self.unit_offset:
             normed = F.rms_norm(x.float(), (self.size,), None, self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
