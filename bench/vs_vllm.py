@@ -33,8 +33,8 @@ same context limit (vLLM ``--max-model-len 2048``, pdserve ``--max-seq-len 2048`
 user would start it: vLLM with torch.compile and ``VLLM_CPU_OMP_THREADS_BIND=auto`` (its defaults:
 on 2 CPUs its engine gets one core, its API server the other; ``--vllm-enforce-eager`` and
 ``--vllm-threads-bind nobind`` change them), pdserve with its launch defaults (``--torch-threads
-auto``: a node's CPUs shared by its workers, decode-sized steps on one thread less; on 2 CPUs a
-colocated worker prefills on 2 threads and decodes on 1, 1P1D's workers run 1 each). What ran is printed and written to ``--json``, with the load average around each run
+auto``: a node's CPUs shared by its workers, OpenMP threads passive between regions; on 2 CPUs a
+colocated worker runs 2 threads, 1P1D's workers 1 each). What ran is printed and written to ``--json``, with the load average around each run
 (the figures are only as quiet as the machine).
 
 The model's tokenizer: make_tiny_model's byte-level tokenizer has 259 tokens, so ids 259-4095 of

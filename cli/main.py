@@ -100,8 +100,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker's forward writes it)")
     parser.add_argument("--torch-threads", type=_threads, metavar="N|auto",
                         help="torch (OpenMP) threads per worker process (default auto: the node's CPUs "
-                             "shared by the workers on it, decode-sized steps on one thread less so "
-                             "the router keeps a core; 1 is the most robust on a loaded machine)")
+                             "shared by the pdserve workers on it; 1 is the most robust on a machine "
+                             "busy with other work)")
     parser.add_argument("--no-kv-link", action="store_const", const=False, dest="kv_link",
                         help="send KV requests by Ray alone, not also over the direct "
                              "worker-to-worker link")

@@ -44,8 +44,7 @@ class LaunchConfig:
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
     # torch (OpenMP) threads per worker: a count, or "auto": the node's CPUs shared evenly by
-    # the pdserve workers placed on it, with decode-sized steps on one thread less
-    # (EngineConfig.small_step_threads) so the router keeps a core while tokens stream.
+    # the pdserve workers placed on it (a colocated worker on the 2-core VM: 2; 1P1D: 1 each).
     torch_threads: int | str = "auto"
     metrics: bool = True
     stall_send_s: float = 0.0  # test hook for fault injection on the context workers
@@ -363,6 +362,13 @@ WORKER_ENV = {
     # 24,000 transfers, still growing; malloc_trim gave most of it back and no Python object
     # grew). With two arenas: 453 MiB after the same 24,000 (bench/worker_memory.py).
     "MALLOC_ARENA_MAX": "2",
+    # OpenMP threads sleep as soon as a parallel region ends instead of spinning for it (GNU
+    # OpenMP's default spins): between a worker's regions its idle threads would otherwise hold
+    # the cores the router, the HTTP clients and the worker's own channel threads need. On the
+    # 2-core VM a colocated worker on 2 threads, vs vLLM at 4 streams: output 0.84x and TPOT
+    # p50 0.77x spinning, 1.02x and 0.90x passive (docs/benchmarks.md section 20). A policy set
+    # in the launching environment wins.
+    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
 }
 # Where a worker finds a model named by Hub repo id: this process's settings travel to the
 # workers (on a joined cluster they would otherwise have those `ray start` had). Tokens do not:

@@ -37,11 +37,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # CPU intra-op threads by step size: a step of fewer than small_step_tokens tokens (decode
     # batches) runs on small_step_threads torch threads, a larger one (prefill chunks) on all the
-    # process has. None: every step on all. A decode step streams its tokens through the
-    # router at once; on a 2-core VM a colocated worker's decode steps ran 25 % slower on 2
-    # threads than on 1 (the second core serves the router and the HTTP clients), while its
-    # prefills ran 1.5x faster on 2 (docs/benchmarks.md section 20). `pdserve launch
-    # --torch-threads auto` sets it to one thread less than the worker's.
+    # process has. None (default): every step on all. For a machine whose spare cores serve
+    # other work while tokens stream (the router, HTTP clients): decode steps on fewer threads
+    # straggle less there (docs/benchmarks.md section 20 measures both ways).
     small_step_threads: int | None = None
     small_step_tokens: int = 64
 

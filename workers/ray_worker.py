@@ -96,15 +96,10 @@ class RayWorker:
         import ray
         import torch
 
-        if torch_threads == "auto":
-            # This node's CPUs shared by the pdserve workers on it; decode-sized steps on one
-            # thread less (EngineConfig.small_step_threads), leaving the router a core while
-            # tokens stream.
+        if torch_threads == "auto":  # this node's CPUs shared by the pdserve workers on it
             from pdserve.cluster.launch import auto_threads
 
             torch_threads = auto_threads(len(os.sched_getaffinity(0)), workers_on_node)
-            if torch_threads > 1 and engine.get("small_step_threads") is None:
-                engine = {**engine, "small_step_threads": torch_threads - 1}
         if torch_threads:
             torch.set_num_threads(torch_threads)
         events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page
