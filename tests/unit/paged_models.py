@@ -71,3 +71,55 @@ def greedy_tokens(model_dir, prompts, max_tokens: int, setup=None, **llm_kwargs)
         setup(loaded, llm)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
+
+
+def decode_case(B: int, heads: int, kv_heads: int, d: int, dtype, lengths, seed: int):
+    """A decode-attention kernel's inputs (test_cpu_kernels.py, test_gpu_kernels.py): a pool
+    holding sequences of ``lengths`` keys in shuffled blocks, two of them sharing a two-block
+    prefix, their tables padded with 0, and queries at scattered rows of a wider flat batch (q a
+    strided view of a qkv buffer, as in the model). Returns (q, kv, token_index, tables, lens,
+    out) with ``out`` filled with 7 so untouched rows can be checked."""
+    import random
+
+    rng = random.Random(seed)
+    num_blocks = sum(-(-n // B) for n in lengths) + 2
+    kv = torch.randn(2, num_blocks, B, kv_heads, d).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(2)]
+    tables = []
+    for k, n in enumerate(lengths):
+        nb = -(-n // B)
+        own = [free.pop() for _ in range(nb)]
+        tables.append((shared + own)[:nb] if k in (3, 4) and nb >= 2 else own)
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    T = 2 * len(lengths) + 3
+    token_index = torch.tensor(sorted(rng.sample(range(T), len(lengths))))
+    q = torch.randn(T, heads + 2 * kv_heads, d).to(dtype)[:, :heads]
+    out = torch.full((T, heads, d), 7.0, dtype=dtype)
+    return q, kv, token_index, tables_t, torch.tensor(list(lengths)), out
+
+
+MIXED_SCHEDULE = [[("a", 9), ("b", 3)], [("a", 1), ("b", 6), ("c", 13)], [("c", 7), ("a", 1), ("b", 1), ("d", 2)],
+                  [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 5)], [("e", 40), ("a", 1), ("b", 1)],
+                  [("e", 1), ("a", 1), ("b", 1), ("c", 1), ("d", 1)]]
+
+
+def paged_matches_sdpa(device: str, tokens_per_block: int, tol: float) -> None:
+    """Decode batches of mixed lengths beside context chunks, windowed and full layers, through
+    the "paged" backend and through gather + SDPA over two pools: every row's logits within tol."""
+    from pdserve.workers.kv_pool import KVPool
+
+    cfg, model = windowed_qwen3(device)
+    pools = {b: KVPool.for_model(cfg, 128, tokens_per_block, device=device) for b in ("sdpa", "paged")}
+    steps = StepDriver(128, tokens_per_block)
+    for parts in MIXED_SCHEDULE:
+        ids, seqs = steps.batch(parts)
+        out = {}
+        for backend, pool in pools.items():
+            model.set_attention_backend(backend)
+            assert model.attention_backend == backend
+            out[backend] = model(ids.to(device), None, seqs, pool, all_logits=True)
+        assert (out["sdpa"] - out["paged"]).abs().max().item() <= tol, parts
+        steps.advance(parts)

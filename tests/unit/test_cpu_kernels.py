@@ -12,7 +12,6 @@ The kernel is built on first use with the machine's g++ (about 15 s here, then c
 """
 from __future__ import annotations
 
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -21,9 +20,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_models import StepDriver, greedy_tokens, windowed_qwen3  # noqa: E402
+from paged_models import decode_case, greedy_tokens, paged_matches_sdpa  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.model import cpu_kernels  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
@@ -57,28 +55,13 @@ def _reference(q, kv, token_index, tables, lens, scale, window):
 @pytest.mark.parametrize("B,heads,kv_heads,window", [(16, 8, 2, None), (4, 4, 4, None), (6, 8, 2, 7),
                                                       (16, 16, 4, 40), (8, 2, 1, None)])
 def test_kernel_matches_reference(dtype, B, heads, kv_heads, window) -> None:
-    rng = random.Random(B * 100 + heads)
-    d, num_blocks = 32, 120
-    kv = torch.randn(2, num_blocks, B, kv_heads, d).to(dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    shared = [free.pop() for _ in range(2)]  # a prefix two sequences share
-    lens, tables = [], []
-    for k, n in enumerate((1, B, B + 1, 3 * B - 1, 70, 2 * B + 5)):
-        nb = -(-n // B)
-        own = [free.pop() for _ in range(nb)]
-        tables.append((shared + own)[:nb] if k in (3, 4) and nb >= 2 else own)
-        lens.append(n)
-    width = max(len(t) for t in tables)
-    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    T = 2 * len(lens) + 3  # queries sit at scattered rows of a wider flat batch
-    token_index = torch.tensor(sorted(rng.sample(range(T), len(lens))))
-    qkv = torch.randn(T, heads + 2 * kv_heads, d).to(dtype)  # q is a strided view, as in the model
-    q = qkv[:, :heads]
-    out = torch.full((T, heads, d), 7.0, dtype=dtype)
+    d = 32
+    q, kv, token_index, tables, lens, out = decode_case(B, heads, kv_heads, d, dtype,
+                                                        (1, B, B + 1, 3 * B - 1, 70, 2 * B + 5), B * 100 + heads)
+    T = out.shape[0]
     scale = d ** -0.5
-    cpu_kernels.paged_decode_attention(q, kv, token_index, tables_t, torch.tensor(lens), scale, window, out)
-    ref = _reference(q, kv, token_index, tables_t, lens, scale, window)
+    cpu_kernels.paged_decode_attention(q, kv, token_index, tables, lens, scale, window, out)
+    ref = _reference(q, kv, token_index, tables, lens, scale, window)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out[token_index].double() - ref[token_index]).abs().max().item() <= tol
     others = torch.ones(T, dtype=torch.bool)
@@ -96,21 +79,7 @@ def test_kernel_refuses_bad_shapes() -> None:
 
 def test_paged_backend_matches_sdpa_over_steps() -> None:
     """Decode batches of mixed lengths beside context chunks, windowed and full layers."""
-    cfg, model = windowed_qwen3()
-    pools = {b: KVPool.for_model(cfg, 128, 4) for b in ("sdpa", "paged")}
-    steps = StepDriver(128, 4)
-    schedule = [[("a", 9), ("b", 3)], [("a", 1), ("b", 6), ("c", 13)], [("c", 7), ("a", 1), ("b", 1), ("d", 2)],
-                [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 5)], [("e", 40), ("a", 1), ("b", 1)],
-                [("e", 1), ("a", 1), ("b", 1), ("c", 1), ("d", 1)]]
-    for parts in schedule:
-        ids, seqs = steps.batch(parts)
-        out = {}
-        for backend, pool in pools.items():
-            model.set_attention_backend(backend)
-            assert model.attention_backend == backend
-            out[backend] = model(ids, None, seqs, pool, all_logits=True)
-        assert (out["sdpa"] - out["paged"]).abs().max().item() <= 1e-5, parts
-        steps.advance(parts)
+    paged_matches_sdpa("cpu", 4, 1e-5)
 
 
 def test_engine_tokens_equal_across_backends(tmp_path) -> None:

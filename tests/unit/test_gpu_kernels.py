@@ -16,7 +16,6 @@ Triton is not a pdserve dependency (torch's CUDA builds bring it); without it th
 from __future__ import annotations
 
 import importlib.util
-import random
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_models import StepDriver, windowed_qwen3  # noqa: E402
+from paged_models import StepDriver, decode_case, paged_matches_sdpa, windowed_qwen3  # noqa: E402
 from test_cpu_kernels import _reference  # noqa: E402
 
 from pdserve.workers.kv_pool import KVPool  # noqa: E402
@@ -51,32 +50,15 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
                                                         (6, 8, 2, 32, 7), (16, 16, 4, 128, 40),
                                                         (32, 8, 1, 80, None), (128, 16, 2, 64, 100)])
 def test_kernel_matches_reference(device, dtype, B, heads, kv_heads, d, window) -> None:
-    rng = random.Random(B * 100 + heads)
     lengths = (1, B, B + 1, 3 * B - 1, 70, 2 * B + 5, 200)
-    num_blocks = sum(-(-n // B) for n in lengths) + 2
-    kv = torch.randn(2, num_blocks, B, kv_heads, d).to(dtype)
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    shared = [free.pop() for _ in range(2)]  # a prefix two sequences share
-    lens, tables = [], []
-    for k, n in enumerate(lengths):
-        nb = -(-n // B)
-        own = [free.pop() for _ in range(nb)]
-        tables.append((shared + own)[:nb] if k in (3, 4) and nb >= 2 else own)
-        lens.append(n)
-    width = max(len(t) for t in tables)
-    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    T = 2 * len(lens) + 3  # queries sit at scattered rows of a wider flat batch
-    token_index = torch.tensor(sorted(rng.sample(range(T), len(lens))))
-    qkv = torch.randn(T, heads + 2 * kv_heads, d).to(dtype)  # q is a strided view, as in the model
-    q = qkv[:, :heads]
-    out = torch.full((T, heads, d), 7.0, dtype=dtype)
+    q, kv, token_index, tables, lens, out = decode_case(B, heads, kv_heads, d, dtype, lengths, B * 100 + heads)
     scale = d ** -0.5
-    ref = _reference(q, kv, token_index, tables_t, lens, scale, window)
-    args = [t.to(device) for t in (q, kv, token_index, tables_t, torch.tensor(lens))]
+    ref = _reference(q, kv, token_index, tables, lens, scale, window)
+    args = [t.to(device) for t in (q, kv, token_index, tables, lens)]
     out_dev = out.to(device)
     gpu_kernels.paged_decode_attention(*args, scale, window, out_dev)
     out = out_dev.cpu()
+    T = out.shape[0]
     tol = 1e-5 if dtype == torch.float32 else (2e-3 if dtype == torch.float16 else 2e-2)
     assert (out[token_index].double() - ref[token_index]).abs().max().item() <= tol
     others = torch.ones(T, dtype=torch.bool)
@@ -94,21 +76,7 @@ def test_kernel_refuses_ungrouped_heads(device) -> None:
 
 @cuda_only
 def test_paged_backend_matches_sdpa_over_steps_on_cuda() -> None:
-    cfg, model = windowed_qwen3("cuda")
-    pools = {b: KVPool.for_model(cfg, 128, 16, device="cuda") for b in ("sdpa", "paged")}
-    steps = StepDriver(128, 16)
-    schedule = [[("a", 9), ("b", 3)], [("a", 1), ("b", 6), ("c", 13)], [("c", 7), ("a", 1), ("b", 1), ("d", 2)],
-                [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 5)], [("e", 40), ("a", 1), ("b", 1)],
-                [("e", 1), ("a", 1), ("b", 1), ("c", 1), ("d", 1)]]
-    for parts in schedule:
-        ids, seqs = steps.batch(parts)
-        out = {}
-        for backend, pool in pools.items():
-            model.set_attention_backend(backend)
-            assert model.attention_backend == backend
-            out[backend] = model(ids.cuda(), None, seqs, pool, all_logits=True)
-        assert (out["sdpa"] - out["paged"]).abs().max().item() <= 1e-4, parts
-        steps.advance(parts)
+    paged_matches_sdpa("cuda", 16, 1e-4)
 
 
 @cuda_only
