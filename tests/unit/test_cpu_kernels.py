@@ -133,3 +133,28 @@ def test_rms_norm_ops_match_the_torch_formula(dtype, n) -> None:
     norm.weight.data.copy_(w)
     assert norm._fused(x) and not norm._fused(x.view(5, 1, n))
     assert (norm(x).float() - norm(x.view(5, 1, n)).view(5, n).float()).abs().max().item() <= tol
+
+
+def test_a_build_lock_is_waited_on_only_until_it_is_stale(tmp_path) -> None:
+    """torch's builder would wait forever on a lock a killed build left: pdserve waits while
+    the lock is young (a live build), and removes it once it is older than the limit."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    cpu_kernels._clear_stale_lock(lock, stale_s=1.0)  # no lock: returns at once
+    lock.touch()
+    old = time.time() - 10
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock(lock, stale_s=5.0)  # stale: removed
+    assert not lock.exists()
+    lock.touch()  # a fresh lock that a live build removes after 0.3 s
+    threading.Timer(0.3, lock.unlink).start()
+    t0 = time.monotonic()
+    cpu_kernels._clear_stale_lock(lock, stale_s=30.0, poll_s=0.05)
+    assert not lock.exists() and time.monotonic() - t0 < 5
+    lock.touch()  # a fresh lock nobody removes: waited on until stale, then removed
+    t0 = time.monotonic()
+    cpu_kernels._clear_stale_lock(lock, stale_s=0.5, poll_s=0.05)
+    assert not lock.exists() and 0.3 <= time.monotonic() - t0 < 5

@@ -104,16 +104,24 @@ def extension_name() -> str:
     return "pdserve_cpu_kernels_" + hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
-def _clear_stale_lock(lock: Path) -> None:
-    """torch's builder waits without a deadline while its lock file exists; a process killed
-    mid-build leaves one behind. A build takes seconds: a lock older than STALE_LOCK_S is
-    removed (the next builder takes it afresh)."""
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            log.warning("removing a stale build lock %s", lock)
-            lock.unlink()
-    except FileNotFoundError:
-        pass
+def _clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """torch's builder waits without a deadline while its lock file exists, and a process killed
+    mid-build leaves one behind. A build takes seconds, so a lock is waited on only until it is
+    stale_s old (from its last change); then it is removed and this process builds. Seen: a CI
+    run killed mid-build left a fresh lock, and the next run's build waited 534 s for it."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return  # no build under way, or it finished
+        if age > stale_s:
+            log.warning("removing a stale build lock %s (%.0f s old)", lock, age)
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                pass
+            return
+        time.sleep(min(poll_s, stale_s - age + 0.01))
 
 
 def paged_decode_attention(q: torch.Tensor, layer_kv: torch.Tensor, token_index: torch.Tensor,
