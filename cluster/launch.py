@@ -531,12 +531,6 @@ def workers_per_node(pg: Any, num_workers: int) -> list[int]:
     return [count[nodes.get(index)] for index in range(num_workers)]
 
 
-def auto_threads(node_cpus: int, workers_on_node: int) -> int:
-    """--torch-threads auto: the node's CPUs (the machine's, not Ray's logical count) shared
-    evenly by the pdserve workers on it, at least one each."""
-    return max(1, node_cpus // max(1, workers_on_node))
-
-
 def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,
                   metrics: bool, created: dict[str, Any] | None = None) -> tuple[Any, int, int | None]:
     """The router actor, started on ``workers`` (their current infos). Returns (handle, gRPC

@@ -99,3 +99,9 @@ def _enum(enum_cls, value: str, field: str):
     except KeyError:
         choices = ", ".join(m.name for m in enum_cls)
         raise ValueError(f"{field} must be one of {choices}, got {value!r}") from None
+
+
+def auto_threads(node_cpus: int, workers_on_node: int) -> int:
+    """--torch-threads auto: the node's CPUs (the machine's, not Ray's logical count) shared
+    evenly by the pdserve workers on it, at least one each."""
+    return max(1, node_cpus // max(1, workers_on_node))

@@ -97,7 +97,7 @@ class RayWorker:
         import torch
 
         if torch_threads == "auto":  # this node's CPUs shared by the pdserve workers on it
-            from pdserve.cluster.launch import auto_threads
+            from .config import auto_threads
 
             torch_threads = auto_threads(len(os.sched_getaffinity(0)), workers_on_node)
         if torch_threads:

@@ -140,7 +140,9 @@ def test_auto_threads_share_each_node_among_its_workers(monkeypatch):
     monkeypatch.setattr(pgmod, "placement_group_table",
                         lambda pg: {"bundles_to_node_id": {0: "a", 1: "a", 2: "b", 3: "a"}})
     assert L.workers_per_node(object(), 4) == [3, 3, 1, 3]
-    assert [L.auto_threads(2, 3), L.auto_threads(8, 1), L.auto_threads(2, 1), L.auto_threads(16, 3)] == [1, 8, 2, 5]
+    from pdserve.workers.config import auto_threads
+
+    assert [auto_threads(2, 3), auto_threads(8, 1), auto_threads(2, 1), auto_threads(16, 3)] == [1, 8, 2, 5]
 
 
 def test_yaml_resources_are_checked_too():
