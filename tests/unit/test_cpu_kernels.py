@@ -69,6 +69,26 @@ def test_kernel_matches_reference(dtype, B, heads, kv_heads, window) -> None:
     assert bool((out[others] == 7.0).all())  # rows of other tokens untouched
 
 
+def test_kernel_splits_sequences_over_threads_with_one_result() -> None:
+    """A step big enough to be split over torch's threads gives, bit for bit, the single-thread
+    result (each sequence is computed whole by one thread either way)."""
+    q, kv, token_index, tables, lens, out = decode_case(16, 8, 2, 64, torch.float32,
+                                                        (300, 17, 260, 400, 1, 333, 129), 5)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            o = out.clone()
+            cpu_kernels.paged_decode_attention(q, kv, token_index, tables, lens, 0.125, None, o)
+            outs.append(o)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    ref = _reference(q, kv, token_index, tables, lens, 0.125, None)
+    assert (outs[1][token_index].double() - ref[token_index]).abs().max().item() <= 1e-5
+
+
 def test_kernel_refuses_bad_shapes() -> None:
     kv = torch.zeros(2, 4, 4, 2, 24)  # head_dim 24: not a multiple of 16
     q = torch.zeros(1, 4, 24)
@@ -158,3 +178,70 @@ def test_a_build_lock_is_waited_on_only_until_it_is_stale(tmp_path) -> None:
     t0 = time.monotonic()
     cpu_kernels._clear_stale_lock(lock, stale_s=0.5, poll_s=0.05)
     assert not lock.exists() and 0.3 <= time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [16, 100, 1408])
+def test_silu_mul_matches_torch(dtype, inter) -> None:
+    """csrc/activations.cpp's silu(gate) * up against torch's two ops on the same [T, 2I] rows:
+    within an ulp or two of fp32 (its exp is not libm's) and one rounding step in bf16/fp16;
+    the result is contiguous, the input untouched, and GatedMLP gives torch's output with it."""
+    import torch.nn.functional as F
+
+    from pdserve.workers.model.layers import GatedMLP
+
+    torch.manual_seed(inter)
+    base = (torch.randn(7, 2 * inter) * 4).to(dtype)
+    base[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # exp's clamps, and zero
+    gate_up = base[1:6] if inter > 16 else base  # a row slice of a wider buffer, or all of it
+    before = gate_up.clone()
+    out = torch.ops.pdserve_cpu.silu_mul(gate_up, inter)
+    gate, up = gate_up.float().split(inter, dim=-1)
+    if dtype == torch.float32:
+        ref = F.silu(gate) * up
+        tol = 4e-7 * ref.abs().max().item() + 1e-30
+    else:
+        ref = (F.silu(gate_up[:, :inter]).float() * up).to(dtype).float()
+        tol = (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10) * ref.abs().max().item()
+    assert out.is_contiguous() and out.shape == (gate_up.shape[0], inter)
+    assert torch.equal(gate_up, before)
+    assert (out.float() - ref).abs().max().item() <= tol
+    if inter == 16:  # silu(-100) ~ 0, silu(100) = 100, silu(+-0) = 0, within the same bound
+        assert (out[0, :4].float() - torch.tensor([0.0, 100.0, 0.0, 0.0]) * up[0, :4]).abs().max().item() <= tol
+    mlp = GatedMLP(32, inter, False, dtype=dtype, device="cpu")
+    for p in (mlp.gate_up_weight, mlp.down_weight):
+        p.data.copy_(torch.randn(p.shape).to(dtype) * 0.1)
+    x = torch.randn(5, 32).to(dtype)
+    fused = mlp(x)
+    g, u = F.linear(x.float(), mlp.gate_up_weight.float()).split(inter, dim=-1)
+    plain = F.linear(F.silu(g) * u, mlp.down_weight.float())
+    assert (fused.float() - plain).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.1) * max(1.0, plain.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 16), (2, 1, 128)])
+def test_rope_store_equals_rotate_and_index_copy(dtype, heads, kv_heads, d) -> None:
+    """csrc/activations.cpp's rope_store against the torch path it replaces (rotate_in_place on
+    q and k, then index_copy_ of k and v into the pool): bit for bit in every dtype, the pool
+    written at the given slots only; a slot outside the pool is an error, not a write."""
+    from pdserve.workers.model.config import RopeConfig
+    from pdserve.workers.model.layers import RotaryEmbedding, rotate_in_place
+
+    torch.manual_seed(d + heads)
+    T, num_blocks, B = 6, 5, 4
+    qkv = torch.randn(T, heads + 2 * kv_heads, d).to(dtype)
+    positions = torch.tensor([0, 1, 7, 300, 2047, 5])
+    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), d, device="cpu").cos_sin(positions, dtype)
+    slots = torch.tensor([3, 0, 19, 8, 12, 5])
+    pool = torch.randn(2, num_blocks, B, kv_heads, d).to(dtype)
+    ref_qkv, ref_pool = qkv.clone(), pool.clone()
+    rotate_in_place(ref_qkv[:, : heads + kv_heads], cos, sin)
+    flat = ref_pool.view(2, num_blocks * B, kv_heads, d)
+    flat[0].index_copy_(0, slots, ref_qkv[:, heads : heads + kv_heads])
+    flat[1].index_copy_(0, slots, ref_qkv[:, heads + kv_heads :])
+    torch.ops.pdserve_cpu.rope_store(qkv, cos, sin, slots, pool, heads)
+    assert torch.equal(qkv, ref_qkv)
+    assert torch.equal(pool, ref_pool)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.pdserve_cpu.rope_store(qkv, cos, sin, torch.tensor([0, 1, 2, 3, 4, num_blocks * B]), pool, heads)
+    assert torch.equal(pool, ref_pool)  # checked before anything is written

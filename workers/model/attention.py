@@ -22,7 +22,7 @@ from torch import nn
 from . import cpu_kernels, flex_attention, gpu_kernels
 from .batch import AttentionMetadata
 from .config import ModelConfig
-from .layers import PrepackedLinears, RMSNorm, _empty, linear, rotate_in_place
+from .layers import PrepackedLinears, RMSNorm, _empty, fused_cpu, linear, rotate_in_place
 
 
 class Workspace:
@@ -131,6 +131,11 @@ class PagedAttention(PrepackedLinears, nn.Module):
         if self.q_norm is not None:
             qkv[:, :h] = self.q_norm(qkv[:, :h])
             qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh])
+        if (fused_cpu(qkv) and cos.dtype == qkv.dtype and 2 * cos.shape[-1] == d
+                and layer_kv.dim() == 5 and layer_kv.is_contiguous() and slots.dtype == torch.long):
+            # RoPE on q and k, and k and v into the pool, as one op (csrc/activations.cpp)
+            torch.ops.pdserve_cpu.rope_store(qkv, cos, sin, slots.contiguous(), layer_kv, h)
+            return
         rotate_in_place(qkv[:, : h + kvh], cos, sin)
         num_blocks, B = layer_kv.shape[1], layer_kv.shape[2]
         pool_slots = layer_kv.view(2, num_blocks * B, kvh, d)

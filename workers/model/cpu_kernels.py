@@ -9,6 +9,10 @@ fused in front of it; ``layers.RMSNorm`` uses them on CPU rows whenever they are
 decode step of the small benchmark model 3.5-7.6 % faster than torch's rms_norm, which runs as
 five or six ops).
 
+``silu_mul`` / ``rope_store`` (csrc/activations.cpp): the gated MLP's SiLU x up as one op
+into contiguous rows, and RoPE on q and k fused with the K/V write into the pool; used by
+``layers.GatedMLP`` and ``attention.Attention.project`` on CPU rows.
+
 Built with ``torch.utils.cpp_extension.load`` (g++ and ninja; the ``ninja`` wheel is a
 dependency, its binary put on PATH when none is there) for this machine's CPU
 (``-march=native``), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -34,7 +38,9 @@ log = logging.getLogger(__name__)
 
 ENV_DISABLE = "PDSERVE_CPU_KERNELS"
 STALE_LOCK_S = 300.0
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "norms.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "norms.cpp", "activations.cpp")]
+HEADERS = [CSRC / "vec_math.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -58,7 +64,7 @@ def _load() -> bool:
     if os.environ.get(ENV_DISABLE, "").strip() in ("0", "false", "no", "off"):
         log.info("%s=0: compiled CPU kernels off", ENV_DISABLE)
         return False
-    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "add_rms_norm"):
+    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "rope_store"):
         return True
     try:
         if shutil.which("ninja") is None:
@@ -77,11 +83,14 @@ def _load() -> bool:
             # -fopenmp-simd: the simd pragmas only. Full -fopenmp would link a second OpenMP
             # runtime beside torch's, whose threads ignore torch.set_num_threads and spin
             # against the worker's own (measured slower than gather + SDPA that way).
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+            # The headers' digest as a define: torch's builder hashes the sources and the
+            # flags to decide whether to rebuild, not the headers they include.
+            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", f"-DPDSERVE_HEADERS={headers_digest()}"],
             is_python_module=False, verbose=False,
         )
         torch.ops.pdserve_cpu.paged_decode_attention  # noqa: B018 - raises if not registered
         torch.ops.pdserve_cpu.add_rms_norm  # noqa: B018
+        torch.ops.pdserve_cpu.rope_store  # noqa: B018
         return True
     except Exception as e:  # noqa: BLE001 - any build or load failure: fall back
         log.warning("pdserve's CPU kernels could not be built (%s: %s); decode attention uses "
@@ -102,6 +111,14 @@ def extension_name() -> str:
     except OSError:
         pass
     return "pdserve_cpu_kernels_" + hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def headers_digest() -> str:
+    """A digest of the headers the kernels include (see the build flags in _load)."""
+    h = hashlib.sha1()
+    for path in HEADERS:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:

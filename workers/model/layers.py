@@ -67,6 +67,13 @@ class PrepackedLinears:
         return None if cache is None else cache.get(name)
 
 
+def fused_cpu(x: torch.Tensor) -> bool:
+    """Whether pdserve's compiled CPU ops (cpu_kernels) take x: CPU rows [T, n] or [T, heads, d]
+    with unit last stride, a float dtype they handle, and kernels that built."""
+    return (x.device.type == "cpu" and x.stride(-1) == 1 and x.dtype in _NORM_DTYPES
+            and cpu_kernels.available())
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last ``size`` elements. ``unit_offset``: the checkpoint stores w and the
     scale is 1 + w (Gemma), computed in fp32 and rounded to the model dtype at the end."""
@@ -84,8 +91,7 @@ class RMSNorm(nn.Module):
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether pdserve's one-op CPU RMSNorm (csrc/norms.cpp) takes x: rows [T, size] with
         unit stride on a CPU whose kernels built; not Gemma's 1 + w scale."""
-        return (not self.unit_offset and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
-                and x.dtype in _NORM_DTYPES and cpu_kernels.available())
+        return not self.unit_offset and x.dim() == 2 and fused_cpu(x)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x += delta in place (the residual stream), then self(x): one op on CPU."""
@@ -208,6 +214,9 @@ class GatedMLP(PrepackedLinears, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed("gate_up"))  # [T, 2I]
+        if self.act == "silu" and fused_cpu(gate_up):  # one op, contiguous rows for down
+            act = torch.ops.pdserve_cpu.silu_mul(gate_up, self.intermediate)
+            return linear(act, self.down_weight, self.down_bias, self.packed("down"))
         gate, up = gate_up.split(self.intermediate, dim=-1)  # row-strided views [T, I]
         # In place: no fresh [T, I] tensors (large ones cost page faults on every step).
         if self.act == "silu":

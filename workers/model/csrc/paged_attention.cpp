@@ -5,6 +5,7 @@
 // Registered as torch.ops.pdserve_cpu.paged_decode_attention (schema below); built and loaded
 // at run time by workers/model/cpu_kernels.py, which falls back to gather + SDPA without it.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -14,7 +15,11 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using pdserve_vec::exp16;
 
 // 16 floats in one vector (GCC vector extension: one zmm register with AVX-512, two ymm with
 // AVX2): head_dim is processed 16 lanes at a time, keys and values converted to fp32 on load.
@@ -23,6 +28,9 @@ typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxChunks = 16;  // head_dim <= 256
+// K elements a step must read before its sequences are split over threads (a wake-up of torch's
+// pool costs about as much as reading this many on one core).
+constexpr int64_t kParallelElems = 1 << 16;
 
 inline vf16 load16(const float* p) {
   vf16 v;
@@ -56,30 +64,6 @@ inline float hsum(vf16 v) {  // a shuffle tree: 16 -> 8 -> 4 -> 2 -> 1 lanes
   return b[0] + b[1];
 }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-// exp over 16 lanes, x <= 0 (scores minus their max): 2^n * e^r with n = round(x / ln 2) and
-// |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (about 1 ulp). Below -87 the result is 0.
-inline vf16 exp16(vf16 x) {
-  const vi16 lo = x < -87.f;  // lanes whose exp underflows (all bits set where true)
-  x = lo ? vf16{} - 87.f : x;
-  const vf16 shift = vf16{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  vf16 n = (x * 1.44269504088896341f + shift) - shift;
-  vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf16 p = vf16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-  vf16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  vf16 out = p * scale;
-  return lo ? vf16{} : out;
-}
-
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& layer_kv, const at::Tensor& token_index,
                    const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
@@ -104,78 +88,84 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& layer_kv, const at::Te
 
   // One sequence at a time, all its heads together: each slot's K and V rows (all KV heads,
   // contiguous) are read once per step, which is what bounds this kernel (memory traffic).
-  // Serial: a worker runs one torch thread, and this file is built without an OpenMP runtime
-  // of its own (see cpu_kernels.py).
-  std::vector<float> scores;
-  std::vector<vf16> qv(h * chunks), acc(h * chunks);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = len_p[i];
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t L = len - lo;
-    const int64_t* table = tab + i * max_blocks;
-    auto slot_of = [&](int64_t p) {
-      const int64_t blk = pow2 ? table[p >> shift] : table[p / B];
-      return blk * B + (pow2 ? (p & (B - 1)) : p % B);
-    };
-    for (int64_t a = 0; a < h; ++a) {
-      const T* src = qp + rows[i] * q_row + a * q_head;
-      for (int64_t c = 0; c < chunks; ++c) qv[a * chunks + c] = load16(src + c * kLanes) * sc;
-    }
-    scores.resize(h * L);
-    // Scores: slot by slot, every head.
-    for (int64_t p = lo; p < len; ++p) {
-      const T* krow = kp + slot_of(p) * slot_elems;
-      for (int64_t g = 0; g < kvh; ++g) {
-        vf16 kc[kMaxChunks];
-        for (int64_t c = 0; c < chunks; ++c) kc[c] = load16(krow + g * d + c * kLanes);
-        for (int64_t a = g * group; a < (g + 1) * group; ++a) {
-          const vf16* qa = qv.data() + a * chunks;
-          vf16 s = qa[0] * kc[0];
-          for (int64_t c = 1; c < chunks; ++c) s += qa[c] * kc[c];
-          scores[a * L + (p - lo)] = hsum(s);
+  // Sequences are split over torch's threads (at::parallel_for: torch's own OpenMP pool, so
+  // torch.set_num_threads holds; this file links no runtime of its own, see cpu_kernels.py),
+  // but only when the step reads enough keys to pay for waking them.
+  int64_t keys = 0;
+  for (int64_t i = 0; i < n; ++i) keys += window > 0 ? std::min<int64_t>(len_p[i], window) : len_p[i];
+  const int64_t grain = keys * slot_elems >= kParallelElems ? 1 : n + 1;  // n + 1: inline, no pool
+  at::parallel_for(0, n, grain, [&](int64_t seq_begin, int64_t seq_end) {
+    std::vector<float> scores;
+    std::vector<vf16> qv(h * chunks), acc(h * chunks);
+    for (int64_t i = seq_begin; i < seq_end; ++i) {
+      const int64_t len = len_p[i];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t L = len - lo;
+      const int64_t* table = tab + i * max_blocks;
+      auto slot_of = [&](int64_t p) {
+        const int64_t blk = pow2 ? table[p >> shift] : table[p / B];
+        return blk * B + (pow2 ? (p & (B - 1)) : p % B);
+      };
+      for (int64_t a = 0; a < h; ++a) {
+        const T* src = qp + rows[i] * q_row + a * q_head;
+        for (int64_t c = 0; c < chunks; ++c) qv[a * chunks + c] = load16(src + c * kLanes) * sc;
+      }
+      scores.resize(h * L);
+      // Scores: slot by slot, every head.
+      for (int64_t p = lo; p < len; ++p) {
+        const T* krow = kp + slot_of(p) * slot_elems;
+        for (int64_t g = 0; g < kvh; ++g) {
+          vf16 kc[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) kc[c] = load16(krow + g * d + c * kLanes);
+          for (int64_t a = g * group; a < (g + 1) * group; ++a) {
+            const vf16* qa = qv.data() + a * chunks;
+            vf16 s = qa[0] * kc[0];
+            for (int64_t c = 1; c < chunks; ++c) s += qa[c] * kc[c];
+            scores[a * L + (p - lo)] = hsum(s);
+          }
         }
       }
-    }
-    // Softmax per query head (max-subtracted, fp32; 16 keys at a time, the rest one by one).
-    for (int64_t a = 0; a < h; ++a) {
-      float* sa = scores.data() + a * L;
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < L; ++j) m = std::max(m, sa[j]);
-      vf16 sum16{};
-      int64_t j = 0;
-      for (; j + kLanes <= L; j += kLanes) {
-        vf16 e = exp16(load16(sa + j) - m);
-        std::memcpy(sa + j, &e, sizeof(e));
-        sum16 += e;
+      // Softmax per query head (max-subtracted, fp32; 16 keys at a time, the rest one by one).
+      for (int64_t a = 0; a < h; ++a) {
+        float* sa = scores.data() + a * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < L; ++j) m = std::max(m, sa[j]);
+        vf16 sum16{};
+        int64_t j = 0;
+        for (; j + kLanes <= L; j += kLanes) {
+          vf16 e = exp16(load16(sa + j) - m);
+          std::memcpy(sa + j, &e, sizeof(e));
+          sum16 += e;
+        }
+        float sum = hsum(sum16);
+        for (; j < L; ++j) {
+          sa[j] = std::exp(sa[j] - m);
+          sum += sa[j];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t k = 0; k < L; ++k) sa[k] *= inv;
       }
-      float sum = hsum(sum16);
-      for (; j < L; ++j) {
-        sa[j] = std::exp(sa[j] - m);
-        sum += sa[j];
-      }
-      const float inv = 1.f / sum;
-      for (int64_t k = 0; k < L; ++k) sa[k] *= inv;
-    }
-    // Weighted values: slot by slot, every head.
-    std::fill(acc.begin(), acc.end(), vf16{});
-    for (int64_t p = lo; p < len; ++p) {
-      const T* vrow = vp + slot_of(p) * slot_elems;
-      for (int64_t g = 0; g < kvh; ++g) {
-        vf16 vc[kMaxChunks];
-        for (int64_t c = 0; c < chunks; ++c) vc[c] = load16(vrow + g * d + c * kLanes);
-        for (int64_t a = g * group; a < (g + 1) * group; ++a) {
-          const float w = scores[a * L + (p - lo)];
-          vf16* acc_a = acc.data() + a * chunks;
-          for (int64_t c = 0; c < chunks; ++c) acc_a[c] += w * vc[c];
+      // Weighted values: slot by slot, every head.
+      std::fill(acc.begin(), acc.end(), vf16{});
+      for (int64_t p = lo; p < len; ++p) {
+        const T* vrow = vp + slot_of(p) * slot_elems;
+        for (int64_t g = 0; g < kvh; ++g) {
+          vf16 vc[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) vc[c] = load16(vrow + g * d + c * kLanes);
+          for (int64_t a = g * group; a < (g + 1) * group; ++a) {
+            const float w = scores[a * L + (p - lo)];
+            vf16* acc_a = acc.data() + a * chunks;
+            for (int64_t c = 0; c < chunks; ++c) acc_a[c] += w * vc[c];
+          }
         }
       }
+      for (int64_t a = 0; a < h; ++a) {
+        T* dst = op + rows[i] * o_row + a * o_head;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int64_t t = 0; t < kLanes; ++t) dst[c * kLanes + t] = static_cast<T>(acc[a * chunks + c][t]);
+      }
     }
-    for (int64_t a = 0; a < h; ++a) {
-      T* dst = op + rows[i] * o_row + a * o_head;
-      for (int64_t c = 0; c < chunks; ++c)
-        for (int64_t t = 0; t < kLanes; ++t) dst[c * kLanes + t] = static_cast<T>(acc[a * chunks + c][t]);
-    }
-  }
+  });
 }
 
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv, const at::Tensor& token_index,
