@@ -129,6 +129,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 ENGINE_FLAG_HELP = {
+    "small_step_threads": "torch threads for steps of fewer than --small-step-tokens tokens "
+                          "(decode batches) on CPU: N, auto (measured per step size: the "
+                          "default with --torch-threads auto) or off (every step on all)",
     "dtype": "auto (the default: the checkpoint's bfloat16 or float16 as stored; float32 "
              "checkpoints run as float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
 }

@@ -493,6 +493,8 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     for index, (prefix, i, cls, overrides, _) in enumerate(roles):
         worker_id = f"{prefix}-{i}"
         engine = {**cfg.engine, **overrides}
+        if cfg.torch_threads == "auto":  # and decode-sized steps on the measured best count
+            engine.setdefault("small_step_threads", "auto")
         if use_gpu:
             engine.setdefault("device", "cuda")
         options = dict(

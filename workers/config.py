@@ -37,10 +37,12 @@ class EngineConfig:
     enforce_eager: bool = False
     # CPU intra-op threads by step size: a step of fewer than small_step_tokens tokens (decode
     # batches) runs on small_step_threads torch threads, a larger one (prefill chunks) on all the
-    # process has. None (default): every step on all. For a machine whose spare cores serve
-    # other work while tokens stream (the router, HTTP clients): decode steps on fewer threads
-    # straggle less there (docs/benchmarks.md section 20 measures both ways).
-    small_step_threads: int | None = None
+    # process has. None (default): every step on all. "auto": measured per step size
+    # (workers/step_threads.py: 1, 2, 4 ... all, the fastest median). An integer: that many.
+    # Decode steps of a few sequences are bound by memory bandwidth, where more threads gain
+    # little and, on a machine whose other cores serve the router and the HTTP clients,
+    # straggle (docs/benchmarks.md section 20). `pdserve launch --torch-threads auto` sets "auto".
+    small_step_threads: int | str | None = None
     small_step_tokens: int = 64
 
     def __post_init__(self) -> None:
@@ -61,8 +63,24 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        small = self.small_step_threads
+        if isinstance(small, str):  # from a flag or a YAML file: auto, off/none, or a count
+            word = small.strip().lower()
+            if word in ("none", "off", ""):
+                small = None
+            elif word != "auto":
+                try:
+                    small = int(word)
+                except ValueError:
+                    raise ValueError(f"small_step_threads must be a positive integer, auto or "
+                                     f"off, got {self.small_step_threads!r}") from None
+            else:
+                small = "auto"
+            object.__setattr__(self, "small_step_threads", small)
         for name in ("num_kv_blocks", "kv_cache_memory_bytes", "max_input_len", "max_seq_len",
                      "small_step_threads"):
+            if name == "small_step_threads" and self.small_step_threads == "auto":
+                continue
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")

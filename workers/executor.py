@@ -42,6 +42,7 @@ from .config import EngineConfig
 from .kv_pool import KVPool
 from .model.batch import SeqBatchInfo
 from .sampling import RequestSampler, SamplingLimits, SamplingParams, sample, token_logprobs
+from .step_threads import StepThreads
 from .events import WorkerEvents, label
 from .transceiver import KVTransceiver
 
@@ -191,12 +192,13 @@ class Executor:
         if transceiver is not None and transceiver.events is None:
             transceiver.events = self.events
         self._device = kv_pool.device
-        # Intra-op threads per step (EngineConfig.small_step_threads): (small, all, min tokens),
-        # or None when every step runs on all of them. "All" is the count when the engine is
-        # built (the worker sets it first).
+        # Intra-op threads per step (EngineConfig.small_step_threads; step_threads.py), or None
+        # when every step runs on all of them. "All" is the count when the engine is built (the
+        # worker sets it first).
         small = config.small_step_threads
         self._step_threads = (None if small is None or self._device.type != "cpu"
-                              else (small, torch.get_num_threads(), config.small_step_tokens))
+                              else StepThreads(torch.get_num_threads(), config.small_step_tokens,
+                                               None if small == "auto" else small))
         self._clock = clock
         self._num_deadlines = 0  # tracked requests that have a deadline
         # Paused requests not yet prefilled again: id -> time.monotonic() of the pause.
@@ -804,15 +806,18 @@ class Executor:
         prompt_rows = [(request, seqs[i]) for i, (request, _) in enumerate(contexts)
                        if self.tracked[request.request_id].prompt_logprobs is not None]
         t0 = time.perf_counter()
+        threads = None
         if self._step_threads is not None:
-            small, full, min_tokens = self._step_threads
-            want = small if len(input_ids) < min_tokens else full
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)  # the calling thread's count, which the step uses
+            threads = self._step_threads.threads_for(len(input_ids))
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)  # the calling thread's count, which the step uses
         ids = torch.tensor(input_ids, dtype=torch.long, device=self._device)
         logits = self.model.forward(ids, None, seqs, self.kv_pool, all_logits=bool(prompt_rows),
                                     on_layer=on_layer)  # [len(seqs), V], or [T, V]
-        self.stats.forward_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.forward_seconds += seconds
+        if threads is not None:
+            self._step_threads.observe(len(input_ids), threads, seconds)
         if prompt_rows:
             full = logits
             last = torch.tensor([s.start + s.num_new_tokens - 1 for s in seqs], dtype=torch.long,

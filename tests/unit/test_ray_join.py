@@ -123,6 +123,9 @@ def test_torch_threads_flag_reaches_the_launch_config_and_is_checked(capsys):
     assert launch_config_from_args(parse()).torch_threads == "auto"  # the node's CPUs, shared
     assert launch_config_from_args(parse("--torch-threads", "2")).torch_threads == 2
     assert launch_config_from_args(parse("--torch-threads", "AUTO")).torch_threads == "auto"
+    # Threads per step size: the flag's text reaches the engine options (EngineConfig parses it).
+    assert launch_config_from_args(parse("--small-step-threads", "auto")).engine["small_step_threads"] == "auto"
+    assert "small_step_threads" not in launch_config_from_args(parse()).engine  # launch's default
     for bad in ("0", "two"):
         with pytest.raises(SystemExit):
             parse("--torch-threads", bad)
