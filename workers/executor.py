@@ -207,6 +207,10 @@ class Executor:
         # request's CONTEXT_STREAMING, before its forward); the host sets it. Without one they
         # are returned with the step's other updates.
         self.deliver_now: Callable[[list[WireUpdate]], None] | None = None
+        # Sends the transceiver's outbox now (the host's KV control); called once the step has
+        # started its receives, so their KV requests reach the context workers while this
+        # step's forward runs rather than after it. Without one they go after the step.
+        self.flush_control: Callable[[], None] | None = None
         # Fault injection: runs after each layer of a forward that streams KV (request ids,
         # layers written so far); see the host's hold_stream test hook.
         self.layer_hook: Callable[[list[int], int], None] | None = None
@@ -602,6 +606,8 @@ class Executor:
         for request in out.fitting_disagg_gen_init_requests:
             self.transceiver.start_receive(request, self.kv,
                                            timeout_s=self._time_left(request.request_id))
+        if out.fitting_disagg_gen_init_requests and self.flush_control is not None:
+            self.flush_control()
 
         if self.paused_since:
             self._note_resumed(out.context_requests)

@@ -119,6 +119,7 @@ class WorkerHost:
         self._sinks: dict[int, Sink] = {}
         self._flush_hooks: list[Callable[[], None]] = []  # after updates were handed to sinks
         executor.deliver_now = self._deliver  # a mid-step update goes out before the forward
+        executor.flush_control = self.kv_control.flush_outbox  # so do the step's KV requests
         self._tick_hooks: list[Callable[[], None]] = []  # every loop turn (<= idle_wait_s apart)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-loop", daemon=True)

@@ -266,3 +266,48 @@ def test_a_retryable_answer_leaves_the_transfer_to_its_re_issue(loaded):
         assert result.state == RecvState.FAILED and "unknown context request" in result.reason
     finally:
         receiver.close()
+
+
+def test_a_steps_kv_requests_leave_before_its_forward(loaded):
+    """A generation-only request reserved in a step has its KV request sent (flush_control,
+    the host's outbox flush) before that step's forward runs, not after it: the context
+    worker starts sending while this worker computes, one step earlier."""
+    from pdserve.scheduler.request import ContextPhaseParams, LlmRequestType
+    from pdserve.workers.transceiver import KVTransceiver
+
+    config = EngineConfig.from_kwargs(ENGINE)
+    mcfg = loaded.config
+    pool = KVPool.for_model(mcfg, config.num_kv_blocks, config.tokens_per_block,
+                            dtype=loaded.model.dtype, device="cpu")
+    receiver = KVReceiver("gen-x", pool, config=TransportConfig(connect_timeout_s=1.0))
+    transceiver = KVTransceiver("gen-x", receiver=receiver, transfer_timeout_s=5.0)
+    ex = Executor(loaded.model, pool, config, transceiver=transceiver, eos_token_ids=loaded.eos_token_ids,
+                  vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings)
+    order: list[str] = []
+    sent = []
+
+    def flush() -> None:
+        order.append("flush")
+        while not transceiver.outbox.empty():
+            sent.append(transceiver.outbox.get_nowait())
+
+    forward = loaded.model.forward
+
+    def spy(*args, **kwargs):
+        order.append("forward")
+        return forward(*args, **kwargs)
+
+    ex.flush_control = flush
+    try:
+        loaded.model.forward = spy
+        ex.add_request(LlmRequest(1, PROMPT, 4), GREEDY)  # a local prefill: this step has a forward
+        params = ContextPhaseParams(ctx_request_id=5, first_gen_tokens=[7], opaque_state=b"127.0.0.1:1#1",
+                                    ctx_worker_id="ctx-x", num_blocks=3)
+        ex.add_request(LlmRequest(2, PROMPT, 4, llm_request_type=LlmRequestType.GENERATION_ONLY,
+                                  context_phase_params=params), GREEDY)
+        ex.step()
+        assert order[:2] == ["flush", "forward"], order
+        assert [m.ctx_worker_id for m in sent] == ["ctx-x"] and sent[0].method == "kv_transfer"
+    finally:
+        loaded.model.forward = forward
+        receiver.close()
