@@ -131,7 +131,7 @@ class PagedAttention(PrepackedLinears, nn.Module):
         if self.q_norm is not None:
             qkv[:, :h] = self.q_norm(qkv[:, :h])
             qkv[:, h : h + kvh] = self.k_norm(qkv[:, h : h + kvh])
-        if (fused_cpu(qkv) and cos.dtype == qkv.dtype and 2 * cos.shape[-1] == d
+        if (fused_cpu(qkv) and qkv.stride(1) == d and cos.dtype == qkv.dtype and 2 * cos.shape[-1] == d
                 and layer_kv.dim() == 5 and layer_kv.is_contiguous() and slots.dtype == torch.long):
             # RoPE on q and k, and k and v into the pool, as one op (csrc/activations.cpp)
             torch.ops.pdserve_cpu.rope_store(qkv, cos, sin, slots.contiguous(), layer_kv, h)
