@@ -39,12 +39,26 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
+# oneDNN's prepacked GEMM is slowest below 4 rows: its 1- and 2-row kernels stream the weight
+# at a fraction of the bandwidth the 4-row one reaches (docs/benchmarks.md section 21: the
+# medium model's 48 projections took 38 ms at 1 row, 45 ms at 2, 31 ms at 4, on 1 thread).
+# Decode steps of 1-3 sequences therefore run as 4 rows, the extra ones zero. The 1-row kernel
+# also sums K in another order; padded, a row's result no longer depends on how many rows share
+# the GEMM (tests/unit/test_model_layers.py checks 1-300 rows).
+MIN_PACKED_ROWS = 4
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias, through the prepacked weight when there is one."""
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    rows = x.shape[0] if x.dim() == 2 else -1
+    if 0 < rows < MIN_PACKED_ROWS:
+        padded = x.new_zeros((MIN_PACKED_ROWS, x.shape[1]))
+        padded[:rows].copy_(x)
+        return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PrepackedLinears:
