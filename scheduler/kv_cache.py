@@ -174,6 +174,21 @@ class KVCacheManager:
         """Blocks detached from the front by the sliding window (beam-0 table starts there)."""
         return self._get_seq(request_id).front_removed
 
+    def block_table(self, request_id: int, past: int, new: int) -> list[int]:
+        """The block table a forward of ``new`` tokens at position ``past`` reads: with full
+        attention, the sequence's own blocks (a windowed manager maps detached positions)."""
+        return self.get_block_ids(request_id)
+
+    def blocks_to_completion_bound(self, prompt_len: int, max_new_tokens: int,
+                                   candidates: int = 1) -> int:
+        """The most blocks the capacity scheduler asks to be free for one fresh request (or its
+        recompute) in an otherwise empty pool, without reuse credit (a cache may not keep it):
+        GUARANTEED_NO_EVICT's estimate (scheduling.md 2.4), which bounds MAX_UTILIZATION's
+        first-chunk need too. More than the pool: the request would wait forever. Full
+        attention charges n/best_of candidates nothing more: they share the prompt's blocks
+        and each is charged its own growth as it runs."""
+        return -(-(prompt_len + max_new_tokens) // self.tokens_per_block)
+
     def get_ref_count(self, block_id: int) -> int:
         return self._refs[block_id]
 
@@ -490,25 +505,13 @@ class KVCacheManager:
         assert len(free) + len(lru) + sum(1 for r in self._refs if r > 0) == self.num_blocks
 
 
-# The methods the fast view stands for: one replaced on an instance must be called.
-_VIEW_METHODS = frozenset(
-    {
-        "get_remaining_blocks_to_completion",
-        "get_needed_blocks_one_step",
-        "scheduling_has_free_blocks",
-        "get_scheduling_num_free_blocks",
-        "get_num_free_blocks",
-        "analyze_prefix_reuse",
-    }
-)
-
-
 def scheduling_view_of(manager: Any, *, encoder_tokens: bool = False) -> SchedulingView:
     """The view a scheduler reads a KV pool through for one pass: the fast closures for exactly
-    a ``KVCacheManager`` with none of its estimate methods replaced on the instance (they compute
-    what its methods compute), else ``public_scheduling_view``, which calls the pool's public
-    names (a subclass may override a formula, a double must see its calls). ``encoder_tokens``:
-    the pool is the cross pool (prefix summaries analyze the encoder tokens)."""
-    if type(manager) is KVCacheManager and _VIEW_METHODS.isdisjoint(vars(manager)):
+    a ``KVCacheManager`` (they compute what its methods compute), else
+    ``public_scheduling_view``, which calls the pool's public names (a subclass such as
+    ``SlidingWindowKVCacheManager`` overrides formulas, a double must see its calls).
+    ``encoder_tokens``: the pool is the cross pool (prefix summaries analyze the encoder
+    tokens)."""
+    if type(manager) is KVCacheManager:
         return build_scheduling_view(manager, encoder_tokens=encoder_tokens)
     return public_scheduling_view(manager, encoder_tokens=encoder_tokens)

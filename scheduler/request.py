@@ -122,6 +122,7 @@ class LlmRequest:
         "block_key_cache",
         "client_id",
         "cache_salt",
+        "pending_forks",
     )
 
     def __init__(
@@ -189,6 +190,10 @@ class LlmRequest:
         # The id the client knows the request by (TensorRT-LLM's clientId): only for what a
         # person reads (logs, dashboard entries); scheduling never looks at it.
         self.client_id = client_id
+        # n/best_of: the sequences this request becomes once its prefill ends (itself and the
+        # candidates that fork off it, TensorRT-LLM's child requests); 1 once forked, or never.
+        # A windowed KV manager charges each of them before the fork.
+        self.pending_forks = 1
 
     def __repr__(self) -> str:
         return (

@@ -167,21 +167,22 @@ def _make_pool(kind: str, log: list, tag: str, variable_window: bool, **kwargs: 
         kv = SubclassKV(**kwargs)
         kv.is_variable_window = variable_window
         return kv
+    if kind == "replaced":  # one estimate overridden by a subclass: the override is called
+        class OneStepLogged(KVCacheManager):
+            def get_needed_blocks_one_step(self, request, two_steps_look_ahead, summary=None):
+                log.append((tag, "one_step", request.request_id, two_steps_look_ahead,
+                            _tag_summary(summary)))
+                return super().get_needed_blocks_one_step(request, two_steps_look_ahead, summary)
+
+        kv = OneStepLogged(**kwargs)
+        kv.is_variable_window = variable_window
+        return kv
     inner = KVCacheManager(**kwargs)
     if kind in ("public", "public2", "public_reuse"):
         cls = PublicKV2 if kind == "public2" else PublicKV
         return cls(inner, log, tag, variable_window=variable_window,
                    reuse=True if kind == "public_reuse" else None)
     inner.is_variable_window = variable_window
-    if kind == "replaced":  # one estimate replaced on the instance: it must be called
-        method = KVCacheManager.get_needed_blocks_one_step.__get__(inner)
-
-        def one_step(request, two_steps_look_ahead, summary=None):
-            log.append((tag, "one_step", request.request_id, two_steps_look_ahead,
-                        _tag_summary(summary)))
-            return method(request, two_steps_look_ahead, summary)
-
-        inner.get_needed_blocks_one_step = one_step  # type: ignore[method-assign]
     return inner
 
 
@@ -758,16 +759,17 @@ def test_stepped_encoder_decoder_workloads_decide_alike(policy: P, cfg: dict,
 
 
 # ---- targeted cases ---------------------------------------------------------------------------
-def test_an_estimate_replaced_on_the_instance_is_called() -> None:
-    kv = KVCacheManager(8, 4)
+def test_an_estimate_overridden_by_a_subclass_is_called() -> None:
+    """The fast view is for exactly a KVCacheManager: a subclass's estimate is what counts."""
     calls = []
 
-    def one_step(request, two_steps_look_ahead, summary=None):
-        calls.append(request.request_id)
-        return 1
+    class OneBlock(KVCacheManager):
+        def get_needed_blocks_one_step(self, request, two_steps_look_ahead, summary=None):
+            calls.append(request.request_id)
+            return 1
 
-    kv.get_needed_blocks_one_step = one_step  # type: ignore[method-assign]
-    out = CapacityScheduler(4, P.MAX_UTILIZATION).schedule([LlmRequest(1, [1, 2, 3], 2)], kv)
+    out = CapacityScheduler(4, P.MAX_UTILIZATION).schedule([LlmRequest(1, [1, 2, 3], 2)],
+                                                           OneBlock(8, 4))
     assert [r.request_id for r in out.fitting] == [1] and calls == [1]
 
 
