@@ -421,7 +421,8 @@ def _init_probe_class():
             lap("import transport (torch.distributed)")
             from pdserve.workers import events
             from pdserve.workers.config import EngineConfig
-            from pdserve.workers.executor import Executor
+            from pdserve.workers.engine_core import EngineCore
+            from pdserve.workers.model_runner import ModelRunner
             from pdserve.workers.host import Faults, WorkerHost
             from pdserve.workers.kv_pool import KVPool
             from pdserve.workers.loader import load_model, resolve_dtype
@@ -452,10 +453,10 @@ def _init_probe_class():
             transceiver = KVTransceiver(worker_id, sender=sender, receiver=receiver,
                                         lease_s=30.0, transfer_timeout_s=30.0)
             lap("transport (TCPStore / receiver) + transceiver")
-            executor = Executor(loaded.model, pool, config, eos_token_ids=loaded.eos_token_ids,
-                                vocab_size=mcfg.vocab_size,
-                                max_seq_len=config.max_seq_len or mcfg.max_position_embeddings,
-                                transceiver=transceiver)
+            executor = EngineCore(ModelRunner(loaded.model, pool), config,
+                                  eos_token_ids=loaded.eos_token_ids, vocab_size=mcfg.vocab_size,
+                                  max_seq_len=config.max_seq_len or mcfg.max_position_embeddings,
+                                  transceiver=transceiver)
             lap("executor")
             metrics = WorkerMetrics(role, actor_name(worker_id))
             lap("WorkerMetrics")

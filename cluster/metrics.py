@@ -12,7 +12,7 @@ request gauges from Prometheus a few seconds after the load stopped. Hence the t
 - ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(executor)`` after every
   executor step and ``tick(executor)`` every turn of the ``WorkerHost`` loop (at least every
   ``idle_wait_s``, idle included). Counters and
-  histograms come from the deltas of the executor's cumulative ``ExecutorStats`` and of the
+  histograms come from the deltas of the executor's cumulative ``EngineStats`` and of the
   transport's ``TransferLog`` (the transceiver's ``transfers``); gauges (requests per state, KV
   blocks) are set again, changed or not, whenever ``gauge_interval_s`` (0.5 s) has passed,
   from ``observe`` or ``tick``, and always after the step that leaves the executor idle
@@ -39,7 +39,8 @@ from pdserve.scheduler import lifecycle
 
 if TYPE_CHECKING:
     from pdserve.transport.sessions import TransferLog, TransferRecord
-    from pdserve.workers.executor import Executor, ExecutorStats
+    from pdserve.workers.engine_core import EngineCore
+    from pdserve.workers.engine_state import EngineStats
 
 from .metric_specs import (
     COUNTER,
@@ -194,8 +195,8 @@ class WorkerGauges(NamedTuple):
     quarantined_blocks: int
 
 
-def gauges_from_executor(executor: Executor) -> WorkerGauges:
-    """The gauge values without ``Executor.status()``'s invariant checks and transfer summary."""
+def gauges_from_executor(executor: EngineCore) -> WorkerGauges:
+    """The gauge values without ``EngineCore.status()``'s invariant checks and transfer summary."""
     t = executor.transceiver
     handed_over = (t.transmitting, t.draining) if t is not None else ()
     by_state = lifecycle.count_by_state(
@@ -246,7 +247,7 @@ class WorkerMetrics(_Recorder):
         # first refresh (a burst shorter than one refresh interval would otherwise leave none).
         self._states_reported: set[str] = set(_STATE_NAMES)
 
-    def observe(self, executor: Executor, *, force: bool = False) -> None:
+    def observe(self, executor: EngineCore, *, force: bool = False) -> None:
         """After each step: counter/histogram deltas always; gauges when due, when the executor
         has no work left, or with ``force``."""
         t = executor.transceiver
@@ -254,7 +255,7 @@ class WorkerMetrics(_Recorder):
         # The step that leaves the executor idle always refreshes (its values changed).
         self.tick(executor, force=force or not executor.has_work)
 
-    def tick(self, executor: Executor, *, force: bool = False) -> None:
+    def tick(self, executor: EngineCore, *, force: bool = False) -> None:
         """Every loop turn, idle included (from the WorkerHost loop): set every gauge again when
         ``gauge_interval_s`` has passed, so Ray keeps exporting them (see the module docstring).
         Not due: one clock read."""
@@ -263,7 +264,7 @@ class WorkerMetrics(_Recorder):
             self._next_gauges_at = now + self.gauge_interval_s
             self.observe_gauges(gauges_from_executor(executor))
 
-    def observe_stats(self, stats: ExecutorStats, transfer_stats: TransferLog | None = None) -> None:
+    def observe_stats(self, stats: EngineStats, transfer_stats: TransferLog | None = None) -> None:
         """Record what the cumulative counters gained since the previous call. Several steps
         since the previous call are recorded as one step of their average (call once per step
         for exact histograms). A counter that went backwards (a new executor) restarts from 0."""

@@ -19,7 +19,8 @@ from pdserve.transport.requests import UpdateKind, WireUpdate
 
 from .config import EngineConfig
 
-from .executor import Executor
+from .engine_core import EngineCore
+from .model_runner import ModelRunner
 from .hub import check_supported_options
 from .kv_pool import KVPool
 from .loader import (LoadedModel, check_memory, checkpoint_bytes, load_config, load_model,
@@ -97,7 +98,7 @@ def build_executor(
     config: EngineConfig,
     *,
     transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
-) -> tuple[LoadedModel, Executor]:
+) -> tuple[LoadedModel, EngineCore]:
     """Load the model (a directory or a Hub repo id), size and allocate the KV pool and build
     the executor (with a KV transceiver for disaggregated workers). Before any weight is read,
     the weights and the pool are checked to fit the device's memory (``check_memory``)."""
@@ -137,9 +138,10 @@ def build_executor(
         # Decode steps as CUDA graphs, one per (batch, table width) bucket, captured on first use.
         loaded.model.enable_decode_graphs(kv_pool, max_batch=min(config.max_batch_size, MAX_GRAPH_BATCH),
                                           max_blocks=-(-max_seq_len // B) + (1 if window is not None else 0))
-    executor = Executor(
-        loaded.model,
-        kv_pool,
+    runner = ModelRunner(loaded.model, kv_pool, small_step_threads=config.small_step_threads,
+                         small_step_tokens=config.small_step_tokens)
+    executor = EngineCore(
+        runner,
         config,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=mcfg.vocab_size,
@@ -163,7 +165,7 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
                           config: EngineConfig, *, lease_s: float = 30.0,
                           transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                           stall_send_s: Callable[[], float] | None = None,
-                          kv_link: bool = True, host: str = "127.0.0.1") -> tuple[LoadedModel, Executor]:
+                          kv_link: bool = True, host: str = "127.0.0.1") -> tuple[LoadedModel, EngineCore]:
     """A disaggregated worker's executor: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
     each send's first chunk (fault injection: the send stalls while it is above 0). ``host``
@@ -203,6 +205,12 @@ class _LazyGrammar:
         self._loaded, self._vocab_size, self._compiler = loaded, vocab_size, None
 
     def matcher(self, spec):
+        return self._get().matcher(spec)
+
+    def matcher_after(self, guided, output):
+        return self._get().matcher_after(guided, output)
+
+    def _get(self):
         if self._compiler is None:
             from .grammar import GrammarCompiler
 
@@ -211,7 +219,7 @@ class _LazyGrammar:
             self._compiler = GrammarCompiler(self._loaded.tokenizer, self._vocab_size,
                                              self._loaded.eos_token_ids,
                                              json_whitespace_flexible=False)
-        return self._compiler.matcher(spec)
+        return self._compiler
 
 
 class LLMEngine:

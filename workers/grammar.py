@@ -157,6 +157,14 @@ class GrammarCompiler:
             m.replay(tokens)
         return m
 
+    def matcher_after(self, guided: tuple[str, str], output: Sequence[int]) -> GrammarMatcher:
+        """The matcher of a request's wire ``guided`` pair, advanced over its output so far;
+        ValueError (the request is refused) when the output breaks the grammar."""
+        m = self.matcher(GuidedSpec.from_pair(guided))
+        if output and not m.replay(output):
+            raise ValueError("guided: the tokens generated so far do not follow the grammar")
+        return m
+
     def cache_info(self) -> dict[str, int]:
         with self._lock:
             return {"size": len(self._cache), "max_size": self._cache_size,

@@ -41,7 +41,7 @@ from pdserve.transport.requests import (
 )
 
 from .config import EngineConfig
-from .executor import Executor
+from .engine_core import EngineCore
 from .kv_control import ControlPlane, KVControl
 
 log = logging.getLogger("pdserve.worker")
@@ -88,7 +88,7 @@ class RequestStream:
 
 
 class WorkerHost:
-    def __init__(self, executor: Executor, *, worker_id: str, role: str, config: EngineConfig,
+    def __init__(self, executor: EngineCore, *, worker_id: str, role: str, config: EngineConfig,
                  control: ControlPlane | None = None, channel_host: str | None = None,
                  metrics: Any = None, faults: Faults | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
@@ -292,7 +292,7 @@ class WorkerHost:
         return s
 
     def status_map(self) -> dict[str, Any]:
-        """On the loop thread, for tools and tests: ``Executor.status()`` (transfer records
+        """On the loop thread, for tools and tests: ``EngineCore.status()`` (transfer records
         included) plus who this worker is."""
         s = self.executor.status(records=True)
         if self.receiver is not None:
@@ -431,7 +431,7 @@ class _StreamHold:
     """Fault injection (``hold_stream``): stop a layer-wise forward after ``layers`` layers, so
     a test can see the KV request meet a prefill that is still running, or cancel mid-stream."""
 
-    def __init__(self, executor: Executor, layers: int, seconds: float, until_sending: bool) -> None:
+    def __init__(self, executor: EngineCore, layers: int, seconds: float, until_sending: bool) -> None:
         self.executor, self.layers, self.seconds = executor, layers, seconds
         self.until_sending = until_sending
         self.release = threading.Event()
@@ -447,7 +447,7 @@ class _StreamHold:
             self.release.wait(0.005)
 
 
-def worker_status(ex: Executor, worker_id: str, role: str, config: EngineConfig, *,
+def worker_status(ex: EngineCore, worker_id: str, role: str, config: EngineConfig, *,
                   incarnation: int, healthy: bool, drain_events: bool) -> WorkerStatus:
     """The one builder of a worker's ``WorkerStatus`` (heartbeats, status answers, the events
     benchmark), on the thread that owns ``ex``."""

@@ -99,6 +99,58 @@ class KVTransceiver:
         self.events: WorkerEvents | None = None  # the executor sets its own
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
+    # ------------------------------------------------------------------ KVConnector
+
+    @property
+    def can_send(self) -> bool:
+        return self.sender is not None
+
+    @property
+    def can_receive(self) -> bool:
+        return self.receiver is not None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.transmitting or self.draining)
+
+    def attach_events(self, events: WorkerEvents) -> None:
+        if self.events is None:
+            self.events = events
+
+    def is_streaming(self, request_id: int) -> bool:
+        return request_id in self.streaming
+
+    def has_received(self, request_id: int) -> bool:
+        return request_id in self.received
+
+    def take_received(self, request_id: int) -> tuple[int, float, int] | None:
+        return self.received.pop(request_id, None)
+
+    def held_requests(self) -> tuple[dict[int, LlmRequest], dict[int, LlmRequest]]:
+        return self.transmitting, self.draining
+
+    def abort_handed_off(self, request_id: int, kv) -> bool:
+        request = self.transmitting.get(request_id)
+        if request is None:
+            return False
+        self.abort(request, kv)  # blocks freed once the send is quiet
+        return True
+
+    def status(self, *, records: bool = True) -> dict:
+        ts = self.transfers
+        return {
+            "quarantined_blocks": self.num_quarantined_blocks,
+            "transfer_sessions": self.num_in_flight_sessions,
+            "tracked": len(self.received),
+            "transfers": {
+                "sent": ts.sent, "received": ts.received, "failed": ts.failed,
+                "leases_expired": ts.leases_expired, "bytes_sent": ts.bytes_sent,
+                "bytes_received": ts.bytes_received, "seconds": ts.seconds,
+                "outcomes": dict(ts.outcomes),
+                **({"records": [r._asdict() for r in list(ts.records)[-64:]]} if records else {}),
+            },
+        }
+
     # ------------------------------------------------------------------ context side
 
     @property
@@ -290,7 +342,7 @@ class KVTransceiver:
     def receive_state(self, request_id: int) -> str | None:
         """The transport session's state name of a generation request (e.g. RECEIVING while
         its payload lands), None when it has no live session."""
-        if self.receiver is None:
+        if self.receiver is None or request_id in self.draining:
             return None
         state = self.receiver.sessions.state_of(request_id)
         return None if state is None else state.name

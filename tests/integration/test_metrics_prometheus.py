@@ -52,10 +52,10 @@ def _record_metrics(worker_id: str, router_id: str):
     """Records one set of events; returns the (worker, gauges, router) that keep the gauges."""
     from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
     from pdserve.transport.sessions import TransferLog, TransferRecord
-    from pdserve.workers.executor import ExecutorStats
+    from pdserve.workers.engine_state import EngineStats
 
     worker = WorkerMetrics("context", worker_id)
-    stats, ts = ExecutorStats(), TransferLog()
+    stats, ts = EngineStats(), TransferLog()
     stats.steps, stats.schedule_seconds, stats.forward_seconds = 1, 0.002, 0.02
     stats.context_tokens, stats.generated_tokens, stats.pauses = 64, 1, 1
     worker.observe_stats(stats, ts)

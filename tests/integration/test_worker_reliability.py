@@ -16,7 +16,8 @@ from pdserve.transport.sessions import RecvState
 from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.executor import Executor
+from pdserve.workers.engine_core import EngineCore
+from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.kv_pool import KVPool
 from pdserve.workers.loader import load_model
 from pdserve.workers.sampling import SamplingParams
@@ -50,17 +51,17 @@ def loaded(model_dir):
     return load_model(model_dir)
 
 
-def _executor(loaded, clock=None) -> Executor:
+def _executor(loaded, clock=None) -> EngineCore:
     config = EngineConfig.from_kwargs(ENGINE)
     mcfg = loaded.config
     pool = KVPool.for_model(mcfg, config.num_kv_blocks, config.tokens_per_block,
                             dtype=loaded.model.dtype, device="cpu")
     kwargs = {} if clock is None else {"clock": clock}
-    return Executor(loaded.model, pool, config, eos_token_ids=loaded.eos_token_ids,
-                    vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings, **kwargs)
+    return EngineCore(ModelRunner(loaded.model, pool), config, eos_token_ids=loaded.eos_token_ids,
+                      vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings, **kwargs)
 
 
-def _run(executor: Executor, max_steps: int = 200) -> dict[int, list]:
+def _run(executor: EngineCore, max_steps: int = 200) -> dict[int, list]:
     """Steps until idle; returns each request's updates."""
     out: dict[int, list] = {}
     for _ in range(max_steps):
@@ -281,8 +282,9 @@ def test_a_steps_kv_requests_leave_before_its_forward(loaded):
                             dtype=loaded.model.dtype, device="cpu")
     receiver = KVReceiver("gen-x", pool, config=TransportConfig(connect_timeout_s=1.0))
     transceiver = KVTransceiver("gen-x", receiver=receiver, transfer_timeout_s=5.0)
-    ex = Executor(loaded.model, pool, config, transceiver=transceiver, eos_token_ids=loaded.eos_token_ids,
-                  vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings)
+    ex = EngineCore(ModelRunner(loaded.model, pool), config, transceiver=transceiver,
+                    eos_token_ids=loaded.eos_token_ids, vocab_size=mcfg.vocab_size,
+                    max_seq_len=mcfg.max_position_embeddings)
     order: list[str] = []
     sent = []
 

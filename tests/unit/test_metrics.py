@@ -14,7 +14,7 @@ from pdserve.cluster import metric_specs as MS
 from pdserve.cluster import metrics as M
 from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
 from pdserve.transport.sessions import TransferLog, TransferRecord
-from pdserve.workers.executor import ExecutorStats
+from pdserve.workers.engine_state import EngineStats
 
 S = LlmRequestState
 
@@ -96,7 +96,7 @@ class FakeExecutor:
     """The attributes WorkerMetrics reads from an Executor."""
 
     def __init__(self, transceiver: FakeTransceiver | None = None) -> None:
-        self.stats = ExecutorStats()
+        self.stats = EngineStats()
         self.transceiver = transceiver
         self.active: list[LlmRequest] = []
         self.waiting: list[LlmRequest] = []
