@@ -18,7 +18,7 @@ PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
               ROOT / "cluster" / "prefix_index.py",
               ROOT / "cluster" / "front" / "openai" / "api.py", ROOT / "cluster" / "text_stream.py",
-              ROOT / "cluster" / "front" / "openai" / "tools.py",
+              ROOT / "cluster" / "front" / "openai" / "tools",
               ROOT / "cluster" / "auth.py",
               ROOT / "proto" / "stubs.py"]
 
