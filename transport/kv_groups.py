@@ -18,7 +18,7 @@ Op 0 of a group the generation side sets up eagerly is its PairOpen: an OPEN hea
 Failure rule: any exception or timeout on a pair poisons its group on that side; the group is
 dropped (its sockets close, so the peer's pending ops fail at once) and the generation
 side rebuilds under a new epoch (fresh store prefix) at once, re-issuing the ops queued behind
-the failed one there (``kv_receiver``; docs/design.md 4.6). Other pairs have their own groups
+the failed one there (``kv_receiver_pair``; docs/design.md 4.6). Other pairs have their own groups
 and threads, so one dead peer touches nobody else.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI tool calling (cluster/front/openai/tools.py): the request's tools and tool_choice are
+"""OpenAI tool calling (cluster/front/openai/tools/): the request's tools and tool_choice are
 validated field by field; forced calls get vLLM's schemas; Hermes/Qwen output is read the same
 whether whole or streamed in any chunks; the tiny model's template renders tools and tool turns
 and renders as before without them."""
@@ -29,7 +29,6 @@ from pdserve.cluster.front.openai.tools import (
     new_call_id,
     output_parser,
     parse_tools,
-    render_chat,
     template_messages,
 )
 
@@ -468,12 +467,10 @@ CONVERSATION = [
 ]
 
 
-class ToolsTemplate(ChatTemplate):
-    """ChatTemplate with render(..., tools=...), as the door needs it (see tools.py)."""
-
-    def render(self, messages, add_generation_prompt=True, tools=None):
-        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     tools=tools, **self.special_tokens)
+def render_chat(template, messages, tool_request, add_generation_prompt=True):
+    """The prompt as the door renders it (server.OpenAIServer._render, after api._messages)."""
+    tools = tool_request.template_tools() if tool_request is not None else None
+    return template.render(template_messages(messages), add_generation_prompt, tools=tools)
 
 
 @pytest.fixture(scope="module")
@@ -527,11 +524,10 @@ def test_without_tools_the_template_renders_as_before(tiny_template, add_generat
         expected = old.render(messages, add_generation_prompt)
         assert new.render(messages, add_generation_prompt) == expected
         assert render_chat(new, messages, parse_tools({}), add_generation_prompt) == expected
-        assert render_chat(ToolsTemplate(tiny_template, SPECIAL), messages, None, add_generation_prompt) == expected
 
 
 def test_the_template_renders_tools_and_tool_turns(tiny_template):
-    template = ToolsTemplate(tiny_template, SPECIAL)
+    template = ChatTemplate(tiny_template, SPECIAL)
     request = parse_tools({"tools": TOOLS})
     text = render_chat(template, CONVERSATION, request)
     tools_block = ("<s><|system|>\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the "
@@ -565,7 +561,7 @@ def test_the_template_renders_like_transformers_with_tools(tmp_path, tiny_templa
     model = make_tiny_model(tmp_path / "tiny")
     hf = transformers.AutoTokenizer.from_pretrained(str(model))
     messages = template_messages(CONVERSATION)
-    ours = ToolsTemplate.from_model_dir(model)
+    ours = ChatTemplate.from_model_dir(model)
     for add_generation_prompt in (True, False):
         expected = hf.apply_chat_template(messages, tools=TOOLS, tokenize=False,
                                           add_generation_prompt=add_generation_prompt)

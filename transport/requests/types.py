@@ -300,7 +300,7 @@ class WorkerStatus:
     violations: list[str]
     events: list[WorkerEvent] = field(default_factory=list)
     # Generation side: ctx worker id -> the state of the KV pair with it ("ready", "opening",
-    # "down", "gone"; kv_receiver.PairState). The router sends a KV transfer only over a
+    # "down", "gone"; kv_receiver_pair.PairState). The router sends a KV transfer only over a
     # ready pair.
     kv_pairs: dict[str, str] = field(default_factory=dict)
 
