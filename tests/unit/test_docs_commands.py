@@ -327,8 +327,9 @@ def _check_launch_values(ns: argparse.Namespace, what: str, monkeypatch, tmp_pat
 
 
 # A benchmark script's path as the documents write it: bench/NAME.py ships in the package,
-# benchmarks/NAME.py is an experiment outside it.
-BENCH_SCRIPT = re.compile(r"\b(bench|benchmarks)/(\w+)\.py\b")
+# benchmarks/NAME.py is an experiment outside it. Script names are lower case, so a placeholder
+# (`python benchmarks/NAME.py`) is not taken for a script.
+BENCH_SCRIPT = re.compile(r"\b(bench|benchmarks)/([a-z0-9_]+)\.py\b")
 
 
 def _bench_main(folder: str, name: str):
