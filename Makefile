@@ -38,8 +38,8 @@ test: $(VENV)/.installed-test
 bench: $(VENV)/.installed-bench $(VENV)/.installed-test
 	mkdir -p bench/out
 	$(BIN)/python bench/scheduler.py --json bench/out/scheduler.json $(BENCH_ARGS)
-	$(BIN)/python bench/engine.py --json bench/out/engine.json
-	$(BIN)/python bench/transfer.py --json bench/out/transfer.json
+	$(BIN)/python benchmarks/engine.py --json bench/out/engine.json
+	$(BIN)/python benchmarks/transfer.py --json bench/out/transfer.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -109,7 +109,7 @@ class Client:
         self.timeout_s = timeout_s
         self.metadata = self.connection.metadata
         # Streams are read on the caller's thread instead of through gRPC's channel thread:
-        # measured ~0.15 ms less per 1-token request (bench/router.py conditions).
+        # measured ~0.15 ms less per 1-token request (benchmarks/router.py conditions).
         self.channel = self.connection.channel(
             [(grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
         self.stub = router_pb2_grpc.RouterStub(self.channel)

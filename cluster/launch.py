@@ -235,7 +235,7 @@ def ensure_ray(address: str | None = None, *, num_cpus: int | None = None) -> bo
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray runs worker processes at nice 15 by default: a restarting worker then imports torch
     # at the back of the queue behind any busy process (measured on 2 busy cores: 25-44 s
-    # from kill to healthy, 4-6 s at nice 0; bench/recovery.py).
+    # from kill to healthy, 4-6 s at nice 0; benchmarks/recovery.py).
     os.environ.setdefault("RAY_worker_niceness", "0")
     if address:
         join_ray(address)
@@ -360,7 +360,7 @@ WORKER_ENV = {
     # memory stays in them: every KV transfer touches a Ray call thread, a pair thread and
     # Ray's own, so a generation worker's RSS grew with every transfer (measured: 986 MiB after
     # 24,000 transfers, still growing; malloc_trim gave most of it back and no Python object
-    # grew). With two arenas: 453 MiB after the same 24,000 (bench/worker_memory.py).
+    # grew). With two arenas: 453 MiB after the same 24,000 (benchmarks/worker_memory.py).
     "MALLOC_ARENA_MAX": "2",
     # OpenMP threads sleep as soon as a parallel region ends instead of spinning for it (GNU
     # OpenMP's default spins): between a worker's regions its idle threads would otherwise hold

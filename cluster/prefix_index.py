@@ -33,7 +33,7 @@ that arrive after it (in flight while it was taken) are stale and ignored.
 Memory (tracemalloc, CPython 3.11, 16-byte keys): about 160 bytes per distinct key (its
 ``_Entry``, the key object, the mask int, the dict slot) plus about 55 bytes per worker holding
 it (a slot in that worker's ``held``); each key object is kept once however many workers hold
-it. In ``bench/prefix_index.py``'s chat workload (about two holders per key) that is 127-134
+it. In ``benchmarks/prefix_index.py``'s chat workload (about two holders per key) that is 127-134
 bytes per (block, worker) entry: about 125 MiB for 10^6 entries, at 8 or 64 workers.
 """
 from __future__ import annotations

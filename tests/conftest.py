@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# The experiment scripts in benchmarks/ are not part of the package (the wheel does not ship
+# them): `python benchmarks/NAME.py` puts that folder first on sys.path and they import each other
+# by bare name (`from engine import workload`). Tests import them the same way (`import
+# gpu_check`). Appended, not prepended, so no script name can hide an installed module; that no
+# package module imports them is tests/unit/test_benchmarks_folder.py's job.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
 # A Ray head waits 30 s for its GCS to bind a port; on a loaded 2-core CI machine a GCS started
 # right after the previous module's cluster went down once took longer (test_multinode's
 # 3-node cluster: "Timed out waiting for file .../gcs_server_port_..."). Still a deadline.

@@ -56,7 +56,7 @@ from .request_state import Phase, RouterRequest
 log = logging.getLogger("pdserve.router")
 
 # Tokenizing threads. tokenizers releases the GIL in encode_batch, not in encode (measured,
-# bench/router_loop.py: a 512 KB text stalled the loop 176 ms through encode on a thread,
+# benchmarks/router_loop.py: a 512 KB text stalled the loop 176 ms through encode on a thread,
 # 14 ms through encode_batch; 215 ms on the loop itself).
 TEXT_THREADS = 2
 

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's parity checks, on a tiny model on CPU in fp32 (the script itself runs
+"""benchmarks/gpu_check.py's parity checks, on a tiny model on CPU in fp32 (the script itself runs
 them on CUDA in bf16): the forward through every attention path and the engine's greedy
 generation against transformers, plus the bf16 acceptance rule."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import gpu_check  # noqa: E402  (benchmarks/, on sys.path through tests/conftest.py)
 from pdserve import LLM  # noqa: E402
-from pdserve.bench import gpu_check  # noqa: E402
 from pdserve.workers.loader import load_model  # noqa: E402
 
 SPEC = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

@@ -1,9 +1,12 @@
 """pdserve as a user gets it, not as this checkout runs it:
 
 - the wheel holds the package, the .proto, its generated stubs and the bundled traces, and no tests;
+- it holds every product module of bench/ and no experiment script of benchmarks/ (the split
+  docs/design.md describes; tests/unit/test_benchmarks_folder.py checks the sources);
 - installed from that wheel into a fresh virtualenv (non-editable) and run from another directory,
   the CLI works: make-tiny-model, demo-scheduler, launch + generate + status + shutdown, demo;
-  and the installed package never writes beside its own files;
+  `pdserve bench` (serve --help, and plot of a recorded run) and `pdserve simulate` (a 40-request
+  run); and the installed package never writes beside its own files;
 - a copy of the repository with nothing beside it (no workspace folders around a clone) runs the
   trace-dependent parts.
 
@@ -14,6 +17,7 @@ development install's import hook is not loaded).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -90,6 +94,18 @@ def test_wheel_holds_the_proto_stubs_and_traces_and_no_tests(wheel):
     assert "pdserve = pdserve.cli.main:main" in entry_points
 
 
+def test_wheel_holds_the_bench_tools_and_no_experiment_script(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    product = sorted(p.name for p in (REPO / "bench").glob("*.py"))
+    scripts = sorted(p.name for p in (REPO / "benchmarks").glob("*.py"))
+    assert "sizing.py" in product and "vs_vllm.py" in scripts
+    assert [f"pdserve/bench/{n}" for n in product if f"pdserve/bench/{n}" not in names] == []
+    # Neither the folder (under any name) nor a moved script slipped back into pdserve/bench/.
+    assert not [n for n in names if "benchmarks/" in n]
+    assert not [n for n in names if n.startswith("pdserve/bench/") and n.rsplit("/", 1)[1] in scripts]
+    assert set(scripts).isdisjoint(product)
+
+
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory) -> Path:
     """A fresh virtualenv with the wheel installed (non-editable); returns its bin folder."""
@@ -138,6 +154,28 @@ def test_installed_wheel_runs_the_cli_from_another_directory(installed, tmp_path
     # process (no fallback generation into the per-user cache).
     assert sorted(p for p in package.rglob("*")) == files_before
     assert not list((tmp_path / "cache").glob("pdserve/proto-*"))
+
+
+def test_installed_wheel_runs_bench_and_simulate(installed, tmp_path):
+    """What stayed in the package after the experiments moved out runs from the wheel alone:
+    every module `pdserve bench` and `pdserve simulate` import is in it."""
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    env = {**ENV, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PDSERVE_CACHE": str(tmp_path / "cache" / "pdserve"),
+           "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    pdserve = str(installed / "pdserve")
+
+    assert "--backend" in run([pdserve, "bench", "serve", "--help"], cwd=workdir, env=env).stdout
+    assert "search" in run([pdserve, "simulate", "--help"], cwd=workdir, env=env).stdout
+    # bench's report and figures, without a cluster: the PNGs again from a recorded serve run.
+    run([pdserve, "bench", "plot", str(REPO / "docs" / "results" / "bench_serve_1p1d.json"),
+         "--out-dir", str(workdir / "figs")], cwd=workdir, env=env)
+    assert sorted(p.name for p in (workdir / "figs").glob("*.png")), "bench plot drew nothing"
+    # The simulator end to end on a bundled trace (well under a second of work).
+    run([pdserve, "simulate", "run", "--model", "llama-3-8b", "--gpu", "H100", "--layouts", "1P1D",
+         "--num-requests", "40", "--json", str(workdir / "sim.json")], cwd=workdir, env=env)
+    summary = json.loads((workdir / "sim.json").read_text())["summaries"]["1P1D"]
+    assert summary["requests"] == summary["completed"] == 40 and summary["failed"] == 0
 
 
 def test_a_copy_of_the_repository_alone_runs_the_trace_dependent_parts(tmp_path):

@@ -276,14 +276,14 @@ def test_benchmarks_doc_sizing_table_is_what_the_command_prints(capsys):
     """docs/benchmarks.md shows a DeepSeek-V3 sizing table under the command that prints it."""
     import shlex
 
-    from pdserve.bench.model_sizing import main
+    from model_sizing import main  # benchmarks/, on sys.path through tests/conftest.py
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
     joined = re.sub(r"\\\n\s*", " ", doc)  # shell continuation lines
-    lines = [line.strip() for line in joined.splitlines() if "bench/model_sizing.py --config" in line]
-    assert lines, "docs/benchmarks.md runs no bench/model_sizing.py"
+    lines = [line.strip() for line in joined.splitlines() if "benchmarks/model_sizing.py --config" in line]
+    assert lines, "docs/benchmarks.md runs no benchmarks/model_sizing.py"
     for line in lines:
         words = shlex.split(line)
-        assert main(words[words.index("bench/model_sizing.py") + 1:]) == 0
+        assert main(words[words.index("benchmarks/model_sizing.py") + 1:]) == 0
         printed = capsys.readouterr().out.strip()
         assert printed in doc, f"docs/benchmarks.md is not what `{line}` prints now:\n{printed}"

@@ -6,7 +6,7 @@ captures. With ``capture=False`` the same step runs eagerly, so on the CPU these
 everything but the capture itself: the logits equal the eager step's (fp32, 1e-5) over mixed
 lengths, sliding windows and padded buckets, the pool holds the same K/V afterwards, and steps
 the graphs cannot take (chunks, too many sequences, too long tables) go the eager way.
-bench/gpu_check.py runs the captured graphs on CUDA against transformers.
+benchmarks/gpu_check.py runs the captured graphs on CUDA against transformers.
 """
 from __future__ import annotations
 

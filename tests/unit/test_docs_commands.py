@@ -12,7 +12,10 @@ no server, no subprocess); each command is parsed by the real parser of the prog
   - ``make TARGET [VAR=value]``: the target is in the Makefile; a variable's value is parsed as
     part of the recipe line that uses it (``make demo DEMO_ARGS=--keep-alive`` ->
     ``pdserve demo --keep-alive``).
-  - ``python bench/NAME.py ...``: that script's ``main`` with its parser stopped the same way.
+  - ``python bench/NAME.py ...`` (a product module, ``pdserve.bench.NAME``) and ``python
+    benchmarks/NAME.py ...`` (an experiment script, not in the wheel, imported as its run does:
+    by bare name from its folder, see tests/conftest.py): that script's ``main`` with its parser
+    stopped the same way.
   - ``ray SUBCOMMAND ...``: Ray's own command line (click), parsed, not invoked.
   - ``prometheus``, ``grafana-server``, ``curl``, ``cp``, ``export``, ``python3 -c``: see the list
     below; a request body given to ``curl`` goes through pdserve's OpenAI request parser, and the
@@ -323,17 +326,25 @@ def _check_launch_values(ns: argparse.Namespace, what: str, monkeypatch, tmp_pat
         pytest.fail(f"{what}: its values are refused: {exc}")
 
 
-def _bench_main(name: str):
-    """``main`` of bench/NAME.py and whether it takes argv."""
-    module = importlib.import_module(f"pdserve.bench.{name}")
+# A benchmark script's path as the documents write it: bench/NAME.py ships in the package,
+# benchmarks/NAME.py is an experiment outside it. Script names are lower case, so a placeholder
+# (`python benchmarks/NAME.py`) is not taken for a script.
+BENCH_SCRIPT = re.compile(r"\b(bench|benchmarks)/([a-z0-9_]+)\.py\b")
+
+
+def _bench_main(folder: str, name: str):
+    """``main`` of FOLDER/NAME.py and whether it takes argv."""
+    module = importlib.import_module(f"pdserve.bench.{name}" if folder == "bench" else name)
+    assert Path(module.__file__).resolve() == ROOT / folder / f"{name}.py", (
+        f"{folder}/{name}.py: importing {name} found {module.__file__}")
     main = module.main
     return main, bool(inspect.signature(main).parameters)
 
 
 def _check_bench_script(path: str, args: list[str], where: str, monkeypatch) -> None:
-    m = re.fullmatch(r"bench/(\w+)\.py", path)
+    m = BENCH_SCRIPT.fullmatch(path)
     assert m and (ROOT / path).is_file(), f"{where}: no script {path}"
-    main, takes_argv = _bench_main(m.group(1))
+    main, takes_argv = _bench_main(m.group(1), m.group(2))
     argv = _clean_args(args)
     if takes_argv:
         _run_parser(lambda: main(argv), argv, f"{where}: {path} {' '.join(argv)}")
@@ -426,7 +437,7 @@ def _check_line(line: str, where: str, monkeypatch, tmp_path) -> list[str]:
         elif words[0] == "make":
             _check_make(words[1:], where, monkeypatch, tmp_path)
             kinds.append("make")
-        elif words[0] in PYTHONS and len(words) > 1 and words[1].startswith("bench/"):
+        elif words[0] in PYTHONS and len(words) > 1 and words[1].startswith(("bench/", "benchmarks/")):
             _check_bench_script(words[1], words[2:], where, monkeypatch)
             kinds.append("bench script")
         elif words[0] in PYTHONS and words[1:2] == ["-c"]:
@@ -563,10 +574,10 @@ def known_flags() -> set[str]:
         flags.update(_option_strings(self))
         raise _Parsed(self, argparse.Namespace())
 
-    scripts = sorted({m.group(1) for name in FILES for m in re.finditer(r"bench/(\w+)\.py", _text(name))})
+    scripts = sorted({m.groups() for name in FILES for m in BENCH_SCRIPT.finditer(_text(name))})
     calls = [lambda c=c: cli.main([c, "--help"]) for c in cli.COMMANDS]
-    for script in scripts:
-        main, takes_argv = _bench_main(script)
+    for folder, script in scripts:
+        main, takes_argv = _bench_main(folder, script)
         calls.append((lambda m=main: m(["--help"])) if takes_argv else main)
     argparse.ArgumentParser.parse_args = record
     try:

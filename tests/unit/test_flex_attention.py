@@ -8,7 +8,7 @@ KV pool in place through the block table.
   decode batches of mixed lengths, sliding windows, GQA, qk-norm) give the gather + SDPA
   backend's logits within 1e-5 in fp32, through flex's eager reference: compiling FlexAttention
   on CPU takes minutes per shape family on a 2-core machine, so the compiled kernel runs only
-  when PDSERVE_TEST_FLEX_COMPILE=1 (and in bench/gpu_check.py on CUDA).
+  when PDSERVE_TEST_FLEX_COMPILE=1 (and in benchmarks/gpu_check.py on CUDA).
 - Backend choice and the fallback to SDPA when the kernel cannot run.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("scheduler", "transport", "workers", "cluster", "bench", "cli", "tests")
+FOLDERS = ("scheduler", "transport", "workers", "cluster", "bench", "benchmarks", "cli", "tests")
 CITATION = re.compile(r"scheduling\.md (\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?")
 STALE = re.compile(r"\breference (?:section )?\d|trtllm-scheduling|DESIGN\.md")
 

@@ -40,7 +40,7 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 # oneDNN's prepacked GEMM is slowest below 4 rows: its 1- and 2-row kernels stream the weight
-# at a fraction of the bandwidth the 4-row one reaches (bench/gemm_rows.py, docs/benchmarks.md
+# at a fraction of the bandwidth the 4-row one reaches (benchmarks/gemm_rows.py, docs/benchmarks.md
 # section 21: the medium model's projections took 39.0 ms at 1 row, 46.0 at 2, 30.6 at 4, on
 # 1 thread). Decode steps of 1-3 sequences therefore run as 4 rows, the extra ones zero. The
 # 1-row fp32 kernel also sums K in another order; padded, a row's result no longer depends on

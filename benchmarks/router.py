@@ -82,7 +82,7 @@ def _worker_hops(worker, prompts) -> tuple[list[float], list[float]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/router.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/router.py", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)

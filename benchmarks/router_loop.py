@@ -15,7 +15,7 @@ Both with the built-in model's tokenizer (or ``--model DIR``); the text is ``--w
 by default as many as ``max_prompt_bytes`` allows for ``--max-input-len`` tokens. Prints the
 figures and their ratio.
 
-Run: ``.venv/bin/python bench/router_loop.py [--max-input-len 2048] [--reps 5]``.
+Run: ``.venv/bin/python benchmarks/router_loop.py [--max-input-len 2048] [--reps 5]``.
 """
 from __future__ import annotations
 

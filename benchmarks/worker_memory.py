@@ -3,8 +3,8 @@ requests (every one a KV transfer) at a fixed concurrency, and the workers' RSS 
 ``--step`` requests, and once more at the end after ``malloc_trim(0)`` in each worker (what
 glibc holds free but has not given back, against what is live).
 
-    .venv/bin/python bench/worker_memory.py                      # the workers' environment as shipped
-    .venv/bin/python bench/worker_memory.py --malloc-arena-max default   # glibc's own arenas
+    .venv/bin/python benchmarks/worker_memory.py                      # the workers' environment as shipped
+    .venv/bin/python benchmarks/worker_memory.py --malloc-arena-max default   # glibc's own arenas
 
 A leak keeps the trimmed figure high; memory that glibc holds free only the raw ones.
 """
@@ -33,7 +33,7 @@ def _rss_mib(pid: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/worker_memory.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/worker_memory.py", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=12000)
     parser.add_argument("--step", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)

@@ -14,7 +14,7 @@ channel server does, and each report of an event by the radix tree is timed. Pri
 
 Transfer events cost the same as a pause line on the generation side; the kv_transfer task's
 name is built once per transfer (a format call) and is measured with the rest of the Ray call
-in bench/transfer.py. Run: ``python bench/events.py [--requests N] [--json FILE]``.
+in benchmarks/transfer.py. Run: ``python benchmarks/events.py [--requests N] [--json FILE]``.
 """
 from __future__ import annotations
 

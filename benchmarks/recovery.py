@@ -42,7 +42,7 @@ pdserve's worker modules, torch.distributed), model load, KV pool, transport set
 receiver), executor, metrics, host and request channel. A real ``ContextWorker`` actor is also
 cold-started with and without that runtime_env (submission to ``info()`` answering).
 
-Run: ``.venv/bin/python bench/recovery.py [--reps 3] [--json out.json]``. Conditions to compare:
+Run: ``.venv/bin/python benchmarks/recovery.py [--reps 3] [--json out.json]``. Conditions to compare:
 ``--load N`` (N longer requests in flight all along), ``--hog N`` (N busy-loop processes at nice 0,
 a loaded machine), ``--status-refresh S`` (the router's refresh period); Ray settings through the
 environment, e.g. ``RAY_worker_niceness=0`` (Ray's default 15 puts workers below everything

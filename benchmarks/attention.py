@@ -1,8 +1,8 @@
 """Decode attention backends side by side on the CPU: gather + SDPA ("sdpa") against pdserve's
 C++ kernel that reads the paged pool in place ("paged", workers/model/csrc/paged_attention.cpp).
 
-    python bench/attention.py                                  # fp32, the 8 x 512 Llama of bench/vs_vllm.py
-    python bench/attention.py --contexts 128,1024 --batches 16 --dtype bfloat16
+    python benchmarks/attention.py                             # fp32, the 8 x 512 Llama of benchmarks/vs_vllm.py
+    python benchmarks/attention.py --contexts 128,1024 --batches 16 --dtype bfloat16
 
 For each batch size and context length it times one whole decode step of the model
 (``DecoderLM.forward``: every sequence one new token, ``context`` cached tokens, block tables
@@ -28,7 +28,7 @@ SMALL = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/attention.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/attention.py", description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="128,512,1024,2048", help="cached tokens per sequence")
     ap.add_argument("--batches", default="1,16,64", help="decode sequences per step")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -3,7 +3,7 @@ token (an MLA latent beside the plain MHA K/V the same heads would cache), KV bl
 weights and KV pool per GPU at a few TP/EP group sizes, and step-time estimates for prefill and
 decode batches. Prints Markdown tables (docs/benchmarks.md holds one run's output).
 
-    python bench/model_sizing.py --config tests/unit/model_configs/deepseek-v3.json --gpu H200
+    python benchmarks/model_sizing.py --config tests/unit/model_configs/deepseek-v3.json --gpu H200
 
 Pure arithmetic on ``bench/cost_model.py``; nothing runs a model.
 """
@@ -161,7 +161,7 @@ def report(shape: ModelShape, *, gpu: str, tps: list[int], weight_bytes: list[fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python bench/model_sizing.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/model_sizing.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a config.json (or a folder holding one)")
     parser.add_argument("--gpu", default="H200", choices=sorted(GPU_PRESETS))
     parser.add_argument("--tp", default="8,16", help="TP (= EP) group sizes, comma-separated")

@@ -127,7 +127,7 @@ def child(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/engine.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/engine.py", description=__doc__.split("\n")[0])
     parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model-dir", default=None, help="default: a cached random 8x512 Llama")

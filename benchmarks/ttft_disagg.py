@@ -23,7 +23,7 @@ remaining layers). The first token always comes from the context worker, so no m
 transfer on the TTFT path; the transfer hidden is the after-prefill gap minus the layer-wise
 gap, as a share of the after-prefill transfer.
 
-Run: ``.venv/bin/python -m bench.ttft_disagg [--rounds 5] [--prompt-tokens 2048] [--json F]``.
+Run: ``.venv/bin/python benchmarks/ttft_disagg.py [--rounds 5] [--prompt-tokens 2048] [--json F]``.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ equals what it reused). "ceiling": the hit rate of one infinite cache that saw e
 prompt. Then a sweep of ``KvAwareWeights`` (overlap x decode) for kv-aware at 4P4D on a shorter
 slice, ranked by TTFT p90, then goodput: how the defaults are chosen.
 
-Run: .venv/bin/python bench/routing.py --json bench/out/routing.json   (about 5 minutes here)
-     .venv/bin/python bench/routing.py --requests 3000 --no-sweep      (a quick look)
+Run: .venv/bin/python benchmarks/routing.py --json bench/out/routing.json   (about 5 minutes here)
+     .venv/bin/python benchmarks/routing.py --requests 3000 --no-sweep      (a quick look)
 """
 from __future__ import annotations
 

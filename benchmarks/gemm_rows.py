@@ -2,8 +2,8 @@
 projections cost for 1, 2, 3 ... sequences, with and without pdserve's padding of small
 inputs to ``layers.MIN_PACKED_ROWS`` rows.
 
-    python bench/gemm_rows.py                       # both vs_vllm models, fp32, one thread
-    python bench/gemm_rows.py --sizes medium --threads 2 --dtype bfloat16
+    python benchmarks/gemm_rows.py                  # both vs_vllm models, fp32, one thread
+    python benchmarks/gemm_rows.py --sizes medium --threads 2 --dtype bfloat16
 
 The weights are those of every layer of the model (fused qkv, o, gate_up, down) plus the LM
 head, each a separate tensor, so that a pass streams them from memory as a decode step does
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-# hidden, layers, heads, kv heads, intermediate, vocab: bench/vs_vllm.py's SIZES
+# hidden, layers, heads, kv heads, intermediate, vocab: benchmarks/vs_vllm.py's SIZES
 MODELS = {"small": (512, 8, 8, 2, 1408, 4096), "medium": (1024, 12, 16, 4, 2816, 4096)}
 
 
@@ -32,7 +32,7 @@ def shapes(size: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/gemm_rows.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/gemm_rows.py", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="small,medium")
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16", help="rows (decode sequences) per GEMM")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
