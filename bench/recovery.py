@@ -420,6 +420,7 @@ def _init_probe_class():
             from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
             lap("import transport (torch.distributed)")
             from pdserve.workers import events
+            from pdserve.workers.channel_server import RequestChannelServer
             from pdserve.workers.config import EngineConfig
             from pdserve.workers.executor import Executor
             from pdserve.workers.host import Faults, WorkerHost
@@ -461,12 +462,13 @@ def _init_probe_class():
             lap("WorkerMetrics")
             host = WorkerHost(executor, worker_id=worker_id, role=role, config=config,
                               control=RayControlPlane(30.0),
-                              channel_host=ray.util.get_node_ip_address(),
                               metrics=metrics, faults=Faults())
+            channel = RequestChannelServer(host, host_address=ray.util.get_node_ip_address())
             lap("WorkerHost (loop thread, request channel)")
             host.info(mcfg.vocab_size)
             lap("info()")
             try:
+                channel.close()
                 host.stop(5.0)
             except Exception:
                 pass
