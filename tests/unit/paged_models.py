@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.workers.model import ModelConfig, build_model
+from pdserve.workers.model import build_model, parse_config
 
 CONFIG = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=128,
@@ -16,7 +16,7 @@ CONFIG = dict(
 
 def windowed_qwen3(device: str = "cpu"):
     """(config, fp32 model on ``device`` with seeded random weights, prepacked)."""
-    cfg = ModelConfig.from_hf_dict(CONFIG)
+    cfg = parse_config(CONFIG)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device=device)
     with torch.no_grad():
