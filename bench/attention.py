@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-block", type=int, default=16)
     args = ap.parse_args(argv)
 
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
     from pdserve.workers.model import SeqBatchInfo, build_model, cpu_kernels, parse_config
 
     torch.set_num_threads(1)

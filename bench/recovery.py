@@ -424,7 +424,7 @@ def _init_probe_class():
             from pdserve.workers.config import EngineConfig
             from pdserve.workers.executor import Executor
             from pdserve.workers.host import Faults, WorkerHost
-            from pdserve.workers.kv_pool import KVPool
+            from pdserve.transport.kv_pool import KVPool
             from pdserve.workers.loader import load_model, resolve_dtype
             from pdserve.workers.names import actor_name
             from pdserve.workers.ray_worker import RayControlPlane

@@ -36,10 +36,10 @@ from pdserve.scheduler import (
 from pdserve.scheduler.kv_cache import KVCacheOutOfBlocksError
 from pdserve.scheduler.kv_prefix_reuse import PrefixReuseSummary
 from pdserve.scheduler.reorder import insert_request_in_order
+from pdserve.transport.kv_pool import KVPool
 from pdserve.transport.requests import ErrorKind, TokenLogprobs, UpdateInfo, UpdateKind, WireUpdate
 
 from .config import EngineConfig
-from .kv_pool import KVPool
 from .model.batch import SeqBatchInfo
 from .sampling import RequestSampler, SamplingLimits, SamplingParams, sample, token_logprobs
 from .step_threads import StepThreads

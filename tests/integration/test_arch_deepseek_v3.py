@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 
 import arch_parity as P  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.loader import load_model  # noqa: E402
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.deepseek_v3 import DeepseekV3Router  # noqa: E402

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.loader import checkpoint_bytes, load_model  # noqa: E402
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.gpt_oss import FP4_E2M1_VALUES, dequantize_mxfp4, sink_attention  # noqa: E402

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers", reason="checks loading against transformers")
 
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.loader import ModelLoadError, load_config, load_model, load_tokenizer
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config
 from pdserve.workers.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES

@@ -109,7 +109,7 @@ MIXED_SCHEDULE = [[("a", 9), ("b", 3)], [("a", 1), ("b", 6), ("c", 13)], [("c", 
 def paged_matches_sdpa(device: str, tokens_per_block: int, tol: float) -> None:
     """Decode batches of mixed lengths beside context chunks, windowed and full layers, through
     the "paged" backend and through gather + SDPA over two pools: every row's logits within tol."""
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
     cfg, model = windowed_qwen3(device)
     pools = {b: KVPool.for_model(cfg, 128, tokens_per_block, device=device) for b in ("sdpa", "paged")}

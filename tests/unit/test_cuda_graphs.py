@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_models import StepDriver, greedy_tokens, windowed_qwen3  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.model import SeqBatchInfo, build_model, parse_config  # noqa: E402
 from pdserve.workers.model.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets  # noqa: E402
 

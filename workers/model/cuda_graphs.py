@@ -36,7 +36,7 @@ from .batch import AttentionMetadata, SeqBatchInfo, static_decode_metadata
 from .config import ModelConfig
 
 if TYPE_CHECKING:
-    from ..kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
