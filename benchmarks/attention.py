@@ -37,15 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-block", type=int, default=16)
     args = ap.parse_args(argv)
 
-    from pdserve.workers.kv_pool import KVPool
-    from pdserve.workers.model import ModelConfig, SeqBatchInfo, build_model, cpu_kernels
+    from pdserve.transport.kv_pool import KVPool
+    from pdserve.workers.model import SeqBatchInfo, build_model, cpu_kernels, parse_config
 
     torch.set_num_threads(1)
     if not cpu_kernels.available():
         print("pdserve's CPU kernels did not build (see the log): nothing to compare")
         return 1
     dtype = getattr(torch, args.dtype)
-    cfg = ModelConfig.from_hf_dict(SMALL)
+    cfg = parse_config(SMALL)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=dtype, device="cpu")
     with torch.no_grad():

@@ -114,7 +114,7 @@ def forward_parity(loaded, hf16, hf32, device: str, *, num_seqs: int = 4, prompt
     """Logits of every position of ``num_seqs`` random sequences: pdserve (chunk 1, chunk 2
     over cached tokens, then ``decode_steps`` batched decode steps) vs transformers' dense
     forward in the model dtype and in fp32."""
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
     from pdserve.workers.model import SeqBatchInfo
 
     model = loaded.model
@@ -284,7 +284,7 @@ def decode_step_latency(loaded, device: str, batches=(1, 8, 32, 64), contexts=(2
     cached length, eager forward against the captured graph, for each attention backend that
     runs here ("paged": pdserve's kernel over the pool; "sdpa": gather + SDPA). Keys
     "backend/n/context"."""
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
     from pdserve.workers.model import SeqBatchInfo
     from pdserve.workers.model.flex_attention import paged_supported
 

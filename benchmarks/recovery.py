@@ -420,11 +420,12 @@ def _init_probe_class():
             from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
             lap("import transport (torch.distributed)")
             from pdserve.workers import events
+            from pdserve.workers.channel_server import RequestChannelServer
             from pdserve.workers.config import EngineConfig
             from pdserve.workers.engine_core import EngineCore
             from pdserve.workers.model_runner import ModelRunner
             from pdserve.workers.host import Faults, WorkerHost
-            from pdserve.workers.kv_pool import KVPool
+            from pdserve.transport.kv_pool import KVPool
             from pdserve.workers.loader import load_model, resolve_dtype
             from pdserve.workers.names import actor_name
             from pdserve.workers.ray_worker import RayControlPlane
@@ -462,12 +463,13 @@ def _init_probe_class():
             lap("WorkerMetrics")
             host = WorkerHost(executor, worker_id=worker_id, role=role, config=config,
                               control=RayControlPlane(30.0),
-                              channel_host=ray.util.get_node_ip_address(),
                               metrics=metrics, faults=Faults())
+            channel = RequestChannelServer(host, host_address=ray.util.get_node_ip_address())
             lap("WorkerHost (loop thread, request channel)")
             host.info(mcfg.vocab_size)
             lap("info()")
             try:
+                channel.close()
                 host.stop(5.0)
             except Exception:
                 pass

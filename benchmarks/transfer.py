@@ -34,7 +34,7 @@ DIRECT_SENDS = [0]  # KV requests the generation process sent over the direct li
 def _pool(num_blocks: int) -> Any:
     import torch
 
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
     pool = KVPool(LAYERS, num_blocks, TOKENS_PER_BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.float32)
     pool.kv.normal_()

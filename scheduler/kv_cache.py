@@ -29,7 +29,7 @@ Pure Python, stdlib only.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from .kv_estimates import SchedulingView, build_scheduling_view, public_scheduling_view
 from .kv_events import BlocksStored, KVEventLog
@@ -126,6 +126,20 @@ class KVCacheManager:
         self._sched_refs = [0] * num_blocks
         self._sched_free = num_blocks
         self._sched_removed: set[int] = set()
+
+    # ---- what the fast scheduling view reads (kv_estimates.ViewSource) ------------------------
+    @property
+    def sequence_lookup(self) -> Callable[[int], _Sequence | None]:
+        """A request id's live sequence, or None: the sequence dict's own ``get``, which a
+        scheduling view binds once per pass (the dict is never replaced, so the bound method
+        stays current). For reading only: the view reads ``num_tokens`` and ``beams``."""
+        return self._seqs.get
+
+    @property
+    def prefix_analyzer(self) -> PrefixAnalyzer:
+        """This pool's one ``PrefixAnalyzer`` (never replaced): the block keys cached on a
+        request and the tree walk, for a scheduling view's prefix summaries."""
+        return self._prefix
 
     # ---- queries ------------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:

@@ -2,12 +2,14 @@
 NamedTuple of functions (``SchedulingView``), and the two ways of making one.
 
 * ``build_scheduling_view(kv)``: the fast view of a ``KVCacheManager``, closures over its
-  configuration and live state. These closures are the only copy of the block formulas of
-  scheduling.md 2.4, 2.6 and 2.7 (with the prefix credit of scheduling.md 2.9): the manager's
-  estimate methods (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``)
-  compute through one. Two closures repeat the one-beam, no-window case of
-  ``blocks_to_completion`` inline for speed (``prompt_blocks_to_completion``,
-  ``total_blocks_to_completion``); the capacity differential test holds them to it.
+  configuration and live state, read through the public accessors ``ViewSource`` names (this
+  module imports nothing from kv_cache.py, which imports it: no import cycle). These closures
+  are the only copy of the block formulas of scheduling.md 2.4, 2.6 and 2.7 (with the prefix
+  credit of scheduling.md 2.9): the manager's estimate methods
+  (``get_remaining_blocks_to_completion``, ``get_needed_blocks_one_step``) compute through
+  one. Two closures repeat the one-beam, no-window case of ``blocks_to_completion`` inline for
+  speed (``prompt_blocks_to_completion``, ``total_blocks_to_completion``); the capacity
+  differential test holds them to it.
 * ``public_scheduling_view(manager)``: the same view over any object with the public names of
   the contract (docs/design.md section 11), calling those names: a subclass, a test double.
 
@@ -18,13 +20,10 @@ Pure Python, stdlib only.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from .kv_prefix_reuse import PrefixReuseSummary
+from .kv_prefix_reuse import PrefixAnalyzer, PrefixReuseSummary
 from .request import LlmRequest, LlmRequestState
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCacheManager
 
 _S = LlmRequestState
 _CONTEXT_INIT = (_S.CONTEXT_INIT, _S.DISAGG_CONTEXT_INIT_AND_TRANS)
@@ -36,6 +35,54 @@ _GEN_IN_PROGRESS = (
 _NO_LIMIT = 1 << 62  # a token count no request reaches
 _prompt_len = attrgetter("prompt_len")
 _max_new_tokens = attrgetter("max_new_tokens")
+
+
+class SequenceBlocks(Protocol):
+    """What the fast view reads of one sequence a pool holds (``kv_cache._Sequence``)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def beams(self) -> Sequence[Sequence[int]]:
+        """Each beam's block table (live window only); the view reads beam 0's length."""
+        ...
+
+
+class ViewSource(Protocol):
+    """A KV pool as ``build_scheduling_view`` reads it (``KVCacheManager`` is one): its
+    configuration, read once per view, and live state through two read-only accessors the view
+    binds once per pass, so a request costs a dict lookup and no attribute walk.
+
+    ``sequence_lookup`` is ``request_id -> SequenceBlocks | None`` over the live sequences; it
+    must stay valid while the view lives (the manager hands out its dict's ``get``, and never
+    replaces the dict). ``prefix_analyzer`` is the pool's one ``PrefixAnalyzer`` (its tree is
+    never replaced either)."""
+
+    @property
+    def tokens_per_block(self) -> int: ...
+    @property
+    def sink_bubble_length(self) -> int: ...
+    @property
+    def max_attention_window(self) -> int | None: ...
+    @property
+    def temporary_attention_window(self) -> int: ...
+    @property
+    def max_token_num(self) -> int | None: ...
+    @property
+    def is_cross(self) -> bool: ...
+    @property
+    def is_variable_window(self) -> bool: ...
+    @property
+    def enable_block_reuse(self) -> bool: ...
+    @property
+    def sequence_lookup(self) -> Callable[[int], SequenceBlocks | None]: ...
+    @property
+    def prefix_analyzer(self) -> PrefixAnalyzer: ...
+
+    def get_num_free_blocks(self) -> int: ...
+    def scheduling_has_free_blocks(self, num_blocks: int) -> bool: ...
+    def get_scheduling_num_free_blocks(self) -> int: ...
 
 
 class SchedulingView(NamedTuple):
@@ -122,7 +169,7 @@ class SchedulingView(NamedTuple):
     blocks_to_completion_bound: Callable[[Sequence[LlmRequest]], int] | None = None
 
 
-def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -> SchedulingView:
+def build_scheduling_view(kv: ViewSource, *, encoder_tokens: bool = False) -> SchedulingView:
     """``kv``'s fast view: its configuration read once, into closure cells (a closure cell is
     read faster than an attribute, and these run for every request on every step). Changes
     nothing in the manager; the only effects are the estimates' own (see ``SchedulingView``) and
@@ -143,8 +190,8 @@ def build_scheduling_view(kv: KVCacheManager, *, encoder_tokens: bool = False) -
     # Held matched blocks are credited against a first chunk's need: one block key cannot stand
     # for blocks of several window-size pools, and a cross pool never reuses.
     reuse_credit = kv.enable_block_reuse and not variable_window and not is_cross
-    seqs_get = kv._seqs.get
-    prefix = kv._prefix
+    seqs_get = kv.sequence_lookup  # bound once here: one dict lookup per request below
+    prefix = kv.prefix_analyzer
     tree = prefix.tree  # never replaced; its version tells whether a cached summary is current
     key_ns = prefix.key_ns
     analyze = prefix.analyze

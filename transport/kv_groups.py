@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
-    from ..workers.kv_pool import KVPool
+    from .kv_pool import KVPool
 from .protocol import HEADER_LEN, Chunk, KVLayout, plan_chunks
 
 STORE_CONNECT_POLL_S = 0.2  # how often a store connect in progress checks its endpoint (connect_store)

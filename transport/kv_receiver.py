@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
-    from ..workers.kv_pool import KVPool
+    from .kv_pool import KVPool
 from .kv_groups import TransportConfig, layout_of
 from .kv_receiver_pair import ControlSink, PairState, ReceiverPair
 from .protocol import CancelTransfer, KVRequest, ProtocolError, TransferDone, decode_message

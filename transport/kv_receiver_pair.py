@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
-    from ..workers.kv_pool import KVPool
+    from .kv_pool import KVPool
 from .kv_groups import (
     GEN_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
     TransportConfig, connect_store, failure_reason, incarnation_of, probe_store, run_abandonable,

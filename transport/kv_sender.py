@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 import torch.distributed as dist
 
 if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
-    from ..workers.kv_pool import KVPool
+    from .kv_pool import KVPool
 from .kv_groups import (
     CTX_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
     TransportConfig, as_timedelta, failure_reason, layout_of, plane_block_bytes, wire_planes,

@@ -27,8 +27,9 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
+from pdserve.scheduler.kv_events import BlocksStored, KVEventLog
 from pdserve.transport.requests import (
     PROTOCOL_VERSION,
     Abort,
@@ -46,13 +47,12 @@ from pdserve.transport.requests import (
     StatusQuery,
     StatusReply,
     Update,
+    WireRequest,
     WireUpdate,
+    WorkerStatus,
     check_hello,
     encode_frame,
 )
-
-if TYPE_CHECKING:
-    from .host import WorkerHost
 
 log = logging.getLogger("pdserve.request_channel")
 
@@ -60,6 +60,36 @@ HELLO_TIMEOUT_S = 5.0  # a connection must say hello this soon
 HEARTBEAT_S = 0.5  # also the age of the router's load view of this worker
 WRITE_TIMEOUT_S = 10.0  # a router that reads nothing for this long is treated as gone
 READ_BYTES = 1 << 16
+
+
+class ChannelHost(Protocol):
+    """What the server needs of the worker it serves (``host.WorkerHost`` is one), and all it
+    may touch: the server is built by the process shell that built the host (``ray_worker.py``)
+    and handed the host as this, so neither module imports the other and the server never
+    reaches into the executor.
+
+    Thread rules (the host's): ``submit``, ``abort``, ``connect_kv_peers``, ``post`` and the
+    hook registrations are callable from any thread; ``status``, ``kv_snapshot`` and the hooks
+    themselves run on the step loop's thread."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def kv_events(self) -> KVEventLog | None:
+        """The prefix cache's event log (None: block reuse is off, no events)."""
+        ...
+
+    def pair_version(self) -> int: ...
+    def add_flush_hook(self, hook: Callable[[], None]) -> None: ...
+    def add_tick_hook(self, hook: Callable[[], None]) -> None: ...
+    def submit(self, wire: WireRequest, sink: Callable[[WireUpdate], None]) -> bool: ...
+    def abort(self, request_id: int) -> None: ...
+    def connect_kv_peers(self, peers: dict[str, str]) -> None: ...
+    def post(self, fn: Callable[[], object]) -> None: ...
+    def status(self, *, drain_events: bool) -> WorkerStatus: ...
+    def kv_snapshot(self) -> list[BlocksStored]: ...
 
 
 def _set_socket_options(sock: socket.socket) -> None:
@@ -127,7 +157,7 @@ class _Connection:
 class RequestChannelServer:
     """Accepts router connections and feeds their requests to the host."""
 
-    def __init__(self, host: "WorkerHost", *, host_address: str = "127.0.0.1") -> None:
+    def __init__(self, host: ChannelHost, *, host_address: str = "127.0.0.1") -> None:
         self.host = host
         self.name = host.worker_id
         self.token = secrets.token_hex(16)  # handed out over Ray (authenticated), checked on hello
@@ -139,7 +169,7 @@ class RequestChannelServer:
         self._next_heartbeat = 0.0
         self._ready_sent: tuple = ()
         # KV events: batches numbered per worker process (the router checks there is no gap).
-        self._kv_events = host.executor.kv.kv_events
+        self._kv_events = host.kv_events
         self._kv_seq = 0
         host.add_flush_hook(self._flush_all)
         host.add_tick_hook(self._heartbeat)
@@ -273,7 +303,7 @@ class RequestChannelServer:
         with self._lock:
             conns = list(self._connections)
         if overflowed:  # a snapshot names the next batch's seq; it takes no number itself
-            frame = KvSnapshot(self._kv_seq, self.host.executor.kv.kv_snapshot())
+            frame = KvSnapshot(self._kv_seq, self.host.kv_snapshot())
         else:
             frame = KvEvents(self._kv_seq, events)
             self._kv_seq += 1
@@ -290,8 +320,7 @@ class RequestChannelServer:
         snapshot (which already contains its effect) names the batch after it and nothing is
         applied twice; other connections see no gap."""
         self._queue_kv_events()
-        kv = self.host.executor.kv
-        conn.queue(KvSnapshot(self._kv_seq, kv.kv_snapshot() if self._kv_events is not None else []))
+        conn.queue(KvSnapshot(self._kv_seq, self.host.kv_snapshot() if self._kv_events is not None else []))
         self._flush_conns()
 
     def _heartbeat(self) -> None:

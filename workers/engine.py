@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from pdserve.scheduler import LlmRequest
+from pdserve.transport.kv_pool import KVPool
 from pdserve.transport.requests import UpdateKind, WireUpdate
 
 from .config import EngineConfig
@@ -22,7 +23,6 @@ from .config import EngineConfig
 from .engine_core import EngineCore
 from .model_runner import ModelRunner
 from .hub import check_supported_options
-from .kv_pool import KVPool
 from .loader import (LoadedModel, check_memory, checkpoint_bytes, load_config, load_model,
                      resolve_dtype, resolve_model_dir, stored_dtype)
 from .model import ModelConfig

@@ -7,7 +7,10 @@ A ``WorkerHost`` owns
 - the one way in for requests, ``submit(WireRequest, sink)``: the request channel, Ray's
   streaming ``generate`` and the RPC worker all use it, and every update of the request goes to
   its ``sink`` on the loop thread (one delivery mode);
-- the request channel server (``channel_server.py``) when the host is given an address;
+- what the request channel server (``channel_server.py``) needs of a worker, its
+  ``ChannelHost`` protocol (``kv_events``, ``kv_snapshot``, the hooks, ``submit``, ...). The
+  host does not build the server: the process shell that builds the host does (``ray_worker.py``)
+  and owns it, so host.py and channel_server.py import nothing of each other;
 - the KV control path (``kv_control.py``): after each step the transceiver's outbox goes out
   through a ``ControlPlane`` (Ray calls, or RPC calls in the test workers), in outbox order;
   on a context worker ``kv_control.serve`` answers them.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pdserve.scheduler import LlmRequest
+from pdserve.scheduler.kv_events import BlocksStored, KVEventLog
 from pdserve.transport.requests import (
     ErrorKind,
     TransferTotals,
@@ -89,7 +93,7 @@ class RequestStream:
 
 class WorkerHost:
     def __init__(self, executor: EngineCore, *, worker_id: str, role: str, config: EngineConfig,
-                 control: ControlPlane | None = None, channel_host: str | None = None,
+                 control: ControlPlane | None = None,
                  metrics: Any = None, faults: Faults | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  idle_wait_s: float = 0.05, incarnation: int | None = None) -> None:
@@ -124,22 +128,17 @@ class WorkerHost:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-loop", daemon=True)
         self._thread.start()
-        self.channel = None
-        if channel_host is not None:
-            from .channel_server import RequestChannelServer
-
-            self.channel = RequestChannelServer(self, host_address=channel_host)
 
     # ------------------------------------------------------------------ lifecycle
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.channel is not None:
-            self.channel.close()
+        """Stop the step loop and the KV control. A request channel server serving this host
+        is its builder's to close, before this (so no request arrives at a stopped loop)."""
         self.stop_loop(timeout_s)
 
     def stop_loop(self, timeout_s: float = 10.0) -> None:
-        """Stop the step loop (and the KV control with it); the channel stays open, answering
-        every request with UNAVAILABLE, as a worker whose loop died does."""
+        """Stop the step loop (and the KV control with it); a channel server stays open,
+        answering every request with UNAVAILABLE, as a worker whose loop died does."""
         self._stop.set()
         self._thread.join(timeout_s)
         self.kv_control.close()
@@ -242,6 +241,8 @@ class WorkerHost:
     # ------------------------------------------------------------------ what the worker is
 
     def info(self, vocab_size: int) -> WorkerInfo:
+        """Who this worker is. ``request_endpoint`` and ``request_token`` are empty: the shell
+        that built a request channel server for this host fills them in from it."""
         ex = self.executor
         return WorkerInfo(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
@@ -250,9 +251,7 @@ class WorkerHost:
             max_seq_len=ex.max_seq_len, max_num_tokens=self.config.max_num_tokens,
             vocab_size=vocab_size,
             endpoint=ex.transceiver.endpoint if ex.transceiver is not None else "",
-            incarnation=self.incarnation,
-            request_endpoint=self.channel.endpoint if self.channel is not None else "",
-            request_token=self.channel.token if self.channel is not None else "")
+            incarnation=self.incarnation, request_endpoint="", request_token="")
 
     @property
     def ready(self) -> bool:
@@ -280,6 +279,16 @@ class WorkerHost:
             return
         self.receiver.connect_peers(peers)
         self.peers_known = True
+
+    @property
+    def kv_events(self) -> KVEventLog | None:
+        """The KV cache's event log (None without block reuse): what a request channel server
+        batches to the router's prefix index."""
+        return self.executor.kv.kv_events
+
+    def kv_snapshot(self) -> list[BlocksStored]:
+        """On the loop thread: the whole prefix cache as events (a router's resync)."""
+        return self.executor.kv.kv_snapshot()
 
     def status(self, *, drain_events: bool) -> WorkerStatus:
         """On the loop thread: the worker's status as of its last step. ``drain_events``: take

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from .hub import ModelResolveError, check_supported_options, resolve_model
-from .model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model
+from .model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model, parse_config
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -111,7 +111,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     try:
-        return ModelConfig.from_hf_dict(_read_json(path))
+        return parse_config(_read_json(path))
     except ModelConfigError as e:
         raise ModelLoadError(f"{path}: {e}") from e
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 from .model.batch import SeqBatchInfo
 from .sampling import sample, token_logprobs
 from .step_plan import SampledToken, SamplingBatch, StepPlan, StepResult

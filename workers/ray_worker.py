@@ -1,5 +1,7 @@
-"""What the context and generation Ray actors share: a ``WorkerHost`` (host.py) plus what only
-Ray gives, the KV control plane over Ray calls and the actor methods. ``context_worker.py`` and
+"""What the context and generation Ray actors share: a ``WorkerHost`` (host.py) and the
+request channel server serving it (``channel_server.py``; built here, not by the host, so the
+two modules import nothing of each other) plus what only Ray gives, the KV control plane over
+Ray calls and the actor methods. ``context_worker.py`` and
 ``generation_worker.py`` apply Ray's decorator and pick the role and concurrency groups.
 
 KV control over Ray: the generation worker sends each control message as a ``kv_transfer``
@@ -27,6 +29,7 @@ from typing import Any, Callable, Iterator
 from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
 
 from . import events
+from .channel_server import RequestChannelServer
 from .config import EngineConfig
 from .engine import build_worker_executor
 from .host import Faults, WorkerHost
@@ -138,9 +141,10 @@ class RayWorker:
         self.host = WorkerHost(
             executor, worker_id=worker_id, role=self.role, config=config,
             control=RayControlPlane(transfer_timeout_s),
-            channel_host=self.node_ip,
             metrics=metrics(self.role, actor_name(worker_id)) if metrics is not None else None,
             faults=faults, on_fatal=self._on_fatal)
+        # The router's requests come in here; the host is all the server sees (ChannelHost).
+        self.channel = RequestChannelServer(self.host, host_address=self.node_ip)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, executor.kv.num_blocks,
                  config.tokens_per_block)
         self._announce_restart()
@@ -164,6 +168,8 @@ class RayWorker:
 
     def info(self) -> WorkerInfo:
         return dataclasses.replace(self.host.info(self.loaded.config.vocab_size),
+                                   request_endpoint=self.channel.endpoint,
+                                   request_token=self.channel.token,
                                    node_id=self.node_id, node_ip=self.node_ip)
 
     def generate(self, wire: WireRequest) -> Iterator[WireUpdate]:
@@ -178,7 +184,7 @@ class RayWorker:
             yield stream.get(wait)
 
     def request_channel(self) -> dict[str, Any]:
-        channel = self.host.channel
+        channel = self.channel
         return {"endpoint": channel.endpoint, "connections": channel.num_connections}
 
     def abort(self, request_id: int) -> bool:
@@ -202,6 +208,7 @@ class RayWorker:
         return "pong"
 
     def shutdown(self) -> None:
+        self.channel.close()  # first: no request may arrive at a stopped loop
         self.host.stop()
 
     def _on_fatal(self, exc: BaseException) -> None:

@@ -144,9 +144,9 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     the 1 + w norms of Gemma), everything else N(0, 0.02), drawn from the seed in the model's
     own order with the LM head last (for Llama the order the first writer used, so the
     built-in model keeps its weights)."""
-    from .model import ModelConfig, build_model
+    from .model import build_model, parse_config
 
-    config = ModelConfig.from_hf_dict(cfg)
+    config = parse_config(cfg)
     with torch.device("meta"):
         model = build_model(config, dtype=torch.float32, device="meta")
     shapes = {name: tuple(t.shape) for name, t in model.weight_targets().items()}

@@ -17,7 +17,7 @@ import torch
 
 from pdserve.transport.protocol import encode_message
 from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

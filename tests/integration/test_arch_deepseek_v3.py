@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 
 import arch_parity as P  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.loader import load_model  # noqa: E402
-from pdserve.workers.model import ModelConfig, ModelConfigError, SeqBatchInfo  # noqa: E402
+from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.deepseek_v3 import DeepseekV3Router  # noqa: E402
 from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_router_matches_transformers():
     cfg = transformers.DeepseekV3Config(**{**P.SMALL, **DS, "n_routed_experts": 16, "n_group": 4,
                                            "topk_group": 2, "num_experts_per_tok": 3})
     ref = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(cfg)
-    ours = DeepseekV3Router(ModelConfig.from_hf_dict({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}),
+    ours = DeepseekV3Router(parse_config({**cfg.to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}),
                             device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -223,4 +223,4 @@ def test_bad_config_names_the_key(key, value, needle):
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **P.SMALL, **DS}
     cfg[key] = value
     with pytest.raises(ModelConfigError, match=needle):
-        ModelConfig.from_hf_dict(cfg)
+        parse_config(cfg)

@@ -21,7 +21,7 @@ import arch_parity as P  # noqa: E402
 import test_model_parity as MP  # noqa: E402  (its paged-forward helpers: Cache, _step, ...)
 
 from pdserve.workers.loader import LoadedModel, load_model  # noqa: E402
-from pdserve.workers.model import ModelConfig, ModelConfigError  # noqa: E402
+from pdserve.workers.model import ModelConfigError, parse_config  # noqa: E402
 from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
 
 ARCH = "Gemma3ForCausalLM"
@@ -170,14 +170,14 @@ def _base(**kw: Any) -> dict[str, Any]:
 def test_defaults_follow_gemma3_text_config() -> None:
     """Absent keys take Gemma3TextConfig's defaults (pattern 6, window 4096, 1e6/1e4 bases,
     query_pre_attn_scalar 256, tied head), as transformers resolves the same dict."""
-    cfg = ModelConfig.from_hf_dict(_base())
+    cfg = parse_config(_base())
     ref = transformers.Gemma3TextConfig.from_dict(_base())
     assert cfg.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in ref.layer_types)
     assert cfg.layer_windows[5] is None and cfg.layer_windows[11] is None and cfg.layer_windows[0] == 4096
     assert cfg.rope.theta == ref.rope_parameters["full_attention"]["rope_theta"] == 1e6
     assert cfg.extra_ropes[0].theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
     assert cfg.attn_scale == 256**-0.5 and cfg.tie_word_embeddings and cfg.final_logit_softcap is None
-    every_global = ModelConfig.from_hf_dict(_base(sliding_window_pattern=1))
+    every_global = parse_config(_base(sliding_window_pattern=1))
     assert every_global.layer_windows == (None,) * 12 and every_global.extra_ropes == ()
 
 
@@ -196,4 +196,4 @@ def test_defaults_follow_gemma3_text_config() -> None:
 ])
 def test_unsupported_or_bad_configs_are_refused_by_key(extra: dict[str, Any], key: str) -> None:
     with pytest.raises(ModelConfigError, match=key):
-        ModelConfig.from_hf_dict(_base(**extra))
+        parse_config(_base(**extra))

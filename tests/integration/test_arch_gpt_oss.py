@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.loader import checkpoint_bytes, load_model  # noqa: E402
-from pdserve.workers.model import ModelConfig, ModelConfigError, SeqBatchInfo  # noqa: E402
+from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.gpt_oss import FP4_E2M1_VALUES, dequantize_mxfp4, sink_attention  # noqa: E402
 from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
 
@@ -254,11 +254,11 @@ BASE = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_
 
 
 def test_gpt_oss_config_defaults_and_errors():
-    cfg = ModelConfig.from_hf_dict(BASE)  # transformers' defaults for the keys left out
+    cfg = parse_config(BASE)  # transformers' defaults for the keys left out
     assert cfg.layer_windows == (128, None) and cfg.rms_norm_eps == 1e-5 and cfg.qkv_bias and cfg.o_bias
     assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.factor, cfg.rope.truncate) == ("yarn", 150000.0, 32.0, False)
     assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
-    assert ModelConfig.from_hf_dict({**BASE, "attention_bias": False}).qkv_bias is False
+    assert parse_config({**BASE, "attention_bias": False}).qkv_bias is False
     bad = {
         "quantization_config": {"quant_method": "fp8"},
         "num_experts_per_tok": 5,
@@ -269,4 +269,4 @@ def test_gpt_oss_config_defaults_and_errors():
     }
     for key, value in bad.items():
         with pytest.raises(ModelConfigError, match=key if key != "layer_types" else "layer type"):
-            ModelConfig.from_hf_dict({**BASE, key: value})
+            parse_config({**BASE, key: value})

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers", reason="checks loading against transformers")
 
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.loader import ModelLoadError, load_config, load_model, load_tokenizer
-from pdserve.workers.model import ModelConfig, ModelConfigError, SeqBatchInfo
+from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config
 from pdserve.workers.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
 from pdserve.workers.tiny_model import SPECIAL_TOKENS, build_byte_tokenizer, main, make_tiny_model
 
@@ -214,14 +214,14 @@ def test_old_and_new_rope_spellings_agree() -> None:
         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300, "max_position_embeddings": 512,
     }
     llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    old = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
-    new = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    old = parse_config({**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
+    new = parse_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
     assert old.rope == new.rope and old.rope.rope_type == "llama3" and old.rope.theta == 5e5
-    lin = ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    lin = parse_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert (lin.rope.rope_type, lin.rope.factor, lin.rope.theta) == ("linear", 2.0, 10000.0)
-    assert ModelConfig.from_hf_dict(base).num_key_value_heads == 4  # defaults to MHA
+    assert parse_config(base).num_key_value_heads == 4  # defaults to MHA
     with pytest.raises(ModelConfigError):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"type": "linear"}})  # no factor
+        parse_config({**base, "rope_scaling": {"type": "linear"}})  # no factor
 
 
 def test_old_rope_spelling_on_disk_matches_transformers(tmp_path: Path) -> None:
@@ -246,13 +246,13 @@ def test_old_rope_spelling_on_disk_matches_transformers(tmp_path: Path) -> None:
 
 def test_sliding_window_per_layer_rules() -> None:
     base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 300}
-    mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 16})
+    mistral = parse_config({**base, "model_type": "mistral", "sliding_window": 16})
     assert mistral.layer_windows == (16,) * 4
-    qwen_off = ModelConfig.from_hf_dict({**base, "model_type": "qwen2", "sliding_window": 16, "max_window_layers": 1})
+    qwen_off = parse_config({**base, "model_type": "qwen2", "sliding_window": 16, "max_window_layers": 1})
     assert qwen_off.layer_windows == (None,) * 4  # use_sliding_window defaults to false
-    qwen_on = ModelConfig.from_hf_dict(
+    qwen_on = parse_config(
         {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
     )
     assert qwen_on.layer_windows == (None, None, 16, 16)
-    llama = ModelConfig.from_hf_dict({**base, "model_type": "llama", "sliding_window": 16})
+    llama = parse_config({**base, "model_type": "llama", "sliding_window": 16})
     assert llama.layer_windows == (None,) * 4

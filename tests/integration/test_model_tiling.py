@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="parity tests compare against transformers")
 
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.loader import LoadedModel, load_model
 from pdserve.workers.model import SeqBatchInfo
 from pdserve.workers.tiny_model import make_tiny_model

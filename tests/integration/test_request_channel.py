@@ -1,8 +1,8 @@
 """The router -> worker request channel with the real pieces in one process: a WorkerHost on the
-tiny model serving its channel, and the router's asyncio WorkerChannel. Outputs match the
-in-process engine; the hello's token and protocol version are checked; a bad request is refused
-without harming the channel; an abort frame and a closed connection both free the request's
-blocks."""
+tiny model, the RequestChannelServer serving it (built beside the host, as a process shell
+builds it), and the router's asyncio WorkerChannel. Outputs match the in-process engine; the
+hello's token and protocol version are checked; a bad request is refused without harming the
+channel; an abort frame and a closed connection both free the request's blocks."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +27,7 @@ from pdserve.transport.requests import (
     SamplingParams,
     encode_frame,
 )
+from pdserve.workers.channel_server import RequestChannelServer
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import build_executor
 from pdserve.workers.host import WorkerHost
@@ -52,10 +53,18 @@ def model_dir(tmp_path_factory):
 def host(model_dir):
     config = EngineConfig.from_kwargs(ENGINE)
     _, executor = build_executor(str(model_dir), config)
-    host = WorkerHost(executor, worker_id="chan-test", role="both", config=config,
-                      channel_host="127.0.0.1")
+    host = WorkerHost(executor, worker_id="chan-test", role="both", config=config)
     yield host
     host.stop()
+
+
+@pytest.fixture()
+def server(host):
+    """The host's request channel; torn down before the host (pytest ends fixtures in reverse),
+    as a shell closes its server before stopping the loop."""
+    server = RequestChannelServer(host, host_address="127.0.0.1")
+    yield server
+    server.close()
 
 
 def _wire(rid: int, prompt, max_tokens: int) -> WireRequest:
@@ -74,8 +83,8 @@ async def _updates(q: asyncio.Queue, until_finished: bool = True) -> list:
                 return out
 
 
-async def _connect(host: WorkerHost, token: str | None = None) -> WorkerChannel:
-    channel = WorkerChannel("w", host.channel.endpoint, host.channel.token if token is None else token)
+async def _connect(server: RequestChannelServer, token: str | None = None) -> WorkerChannel:
+    channel = WorkerChannel("w", server.endpoint, server.token if token is None else token)
     await channel.connect(5.0)
     return channel
 
@@ -103,12 +112,12 @@ def _tokens(updates) -> list[int]:
     return [t for u in updates for t in u.new_token_ids]
 
 
-def test_streams_over_the_channel_match_the_in_process_engine(host, model_dir):
+def test_streams_over_the_channel_match_the_in_process_engine(host, server, model_dir):
     expected = [o.token_ids for o in LLM(str(model_dir), **ENGINE).generate(
         PROMPTS, ApiSamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
 
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         queues = [channel.attempt(100 + i) for i in range(len(PROMPTS))]
         for i, p in enumerate(PROMPTS):  # all in flight together: they share steps
             channel.generate(_wire(100 + i, p, 8))
@@ -124,16 +133,16 @@ def test_streams_over_the_channel_match_the_in_process_engine(host, model_dir):
     _drained(host)
 
 
-def test_a_wrong_token_or_another_protocol_version_is_refused(host):
+def test_a_wrong_token_or_another_protocol_version_is_refused(host, server):
     async def wrong_token():
         with pytest.raises(ChannelRefused, match="wrong token"):
-            await _connect(host, token="not-the-token")
+            await _connect(server, token="not-the-token")
 
     asyncio.run(wrong_token())
     # A router of another protocol version hears why, in a frame it can still read.
-    host_addr, port = host.channel.endpoint.rsplit(":", 1)
+    host_addr, port = server.endpoint.rsplit(":", 1)
     with socket.create_connection((host_addr, int(port)), timeout=5) as raw:
-        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION + 1, host.channel.token)))
+        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION + 1, server.token)))
         reader = FrameReader()
         frames = []
         while not frames:
@@ -142,13 +151,13 @@ def test_a_wrong_token_or_another_protocol_version_is_refused(host):
             reader.feed(data)
             frames = list(reader)
     assert isinstance(frames[0], Refused) and f"version {PROTOCOL_VERSION + 1}" in frames[0].reason
-    assert host.channel.num_connections == 0
+    assert server.num_connections == 0
     _drained(host)  # nothing ran
 
 
-def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host):
+def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host, server):
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         bad_vocab, bad_params = channel.attempt(1), channel.attempt(2)
         channel.generate(_wire(1, [1, 2, 10**6], 4))  # a token outside the vocabulary
         wire = _wire(2, PROMPTS[0], 4)
@@ -167,9 +176,9 @@ def test_an_invalid_request_is_rejected_and_the_channel_stays_up(host):
     _drained(host)
 
 
-def test_an_abort_frame_ends_the_request_and_frees_its_blocks(host):
+def test_an_abort_frame_ends_the_request_and_frees_its_blocks(host, server):
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         q = channel.attempt(7)
         channel.generate(_wire(7, PROMPTS[0], LONG))
         first = await _started(q)
@@ -184,9 +193,9 @@ def test_an_abort_frame_ends_the_request_and_frees_its_blocks(host):
     _drained(host)
 
 
-def test_a_closed_connection_aborts_every_request_it_owns(host):
+def test_a_closed_connection_aborts_every_request_it_owns(host, server):
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         queues = [channel.attempt(20 + i) for i in range(3)]
         for i in range(3):
             channel.generate(_wire(20 + i, PROMPTS[i], LONG))
@@ -203,16 +212,16 @@ def test_a_closed_connection_aborts_every_request_it_owns(host):
 @pytest.mark.parametrize("garbage", [b"\xc1",  # a byte msgpack never uses
                                      msgpack.packb([99, 1]),  # an unknown frame type
                                      msgpack.packb([4, 1, 2])])  # a generate frame cut short
-def test_a_garbled_stream_ends_only_its_own_connection(host, garbage):
+def test_a_garbled_stream_ends_only_its_own_connection(host, server, garbage):
     async def run():
-        healthy = await _connect(host)
+        healthy = await _connect(server)
         q = healthy.attempt(31)
         healthy.generate(_wire(31, PROMPTS[2], LONG))
         await _started(q)
 
-        addr, port = host.channel.endpoint.rsplit(":", 1)
+        addr, port = server.endpoint.rsplit(":", 1)
         raw = socket.create_connection((addr, int(port)), timeout=5)
-        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION, host.channel.token))
+        raw.sendall(encode_frame(Hello(PROTOCOL_VERSION, server.token))
                     + encode_frame(Generate(_wire(32, PROMPTS[0], LONG))) + garbage)
         raw.settimeout(WAIT_S)
         while raw.recv(1 << 16):  # the worker may answer request 32 before the bad frame
@@ -229,11 +238,11 @@ def test_a_garbled_stream_ends_only_its_own_connection(host, garbage):
     _drained(host)  # request 32 went with its connection
 
 
-def test_a_worker_whose_step_loop_is_gone_answers_unavailable(host):
+def test_a_worker_whose_step_loop_is_gone_answers_unavailable(host, server):
     host.stop_loop()
 
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         q = channel.attempt(41)
         channel.generate(_wire(41, PROMPTS[1], 4))
         updates = await _updates(q)
@@ -244,9 +253,9 @@ def test_a_worker_whose_step_loop_is_gone_answers_unavailable(host):
     assert update.error == ErrorKind.UNAVAILABLE and "not running" in update.message
 
 
-def test_an_idle_connection_hears_the_step_loops_heartbeat_until_the_loop_stops(host):
+def test_an_idle_connection_hears_the_step_loops_heartbeat_until_the_loop_stops(host, server):
     async def run():
-        channel = await _connect(host)
+        channel = await _connect(server)
         t0 = channel.last_heard
         await asyncio.sleep(2.5)  # HEARTBEAT_S is 0.5 s
         beating = channel.last_heard - t0

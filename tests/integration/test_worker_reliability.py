@@ -18,7 +18,7 @@ from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine_core import EngineCore
 from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.loader import load_model
 from pdserve.workers.sampling import SamplingParams
 from pdserve.workers.tiny_model import make_tiny_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.workers.model import ModelConfig, build_model
+from pdserve.workers.model import build_model, parse_config
 
 CONFIG = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=128,
@@ -16,7 +16,7 @@ CONFIG = dict(
 
 def windowed_qwen3(device: str = "cpu"):
     """(config, fp32 model on ``device`` with seeded random weights, prepacked)."""
-    cfg = ModelConfig.from_hf_dict(CONFIG)
+    cfg = parse_config(CONFIG)
     torch.manual_seed(0)
     model = build_model(cfg, dtype=torch.float32, device=device)
     with torch.no_grad():
@@ -109,7 +109,7 @@ MIXED_SCHEDULE = [[("a", 9), ("b", 3)], [("a", 1), ("b", 6), ("c", 13)], [("c", 
 def paged_matches_sdpa(device: str, tokens_per_block: int, tol: float) -> None:
     """Decode batches of mixed lengths beside context chunks, windowed and full layers, through
     the "paged" backend and through gather + SDPA over two pools: every row's logits within tol."""
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
     cfg, model = windowed_qwen3(device)
     pools = {b: KVPool.for_model(cfg, 128, tokens_per_block, device=device) for b in ("sdpa", "paged")}

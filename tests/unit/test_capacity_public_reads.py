@@ -67,3 +67,9 @@ def test_capacity_reads_the_pools_only_through_their_views() -> None:
                 and node.value.id in _POOL_NAMES):
             used.add(node.attr)
     assert used == _POOL_CALLS
+
+
+def test_the_fast_view_reads_no_private_attribute_of_the_pool() -> None:
+    """kv_estimates.py reads a KV manager only through ``ViewSource``'s public accessors, so it
+    needs nothing from kv_cache.py (which imports it) and the two form no import cycle."""
+    assert private_reads((SCHEDULER / "kv_estimates.py").read_text()) == []

@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_models import StepDriver, greedy_tokens, windowed_qwen3  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
-from pdserve.workers.model import ModelConfig, SeqBatchInfo, build_model  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
+from pdserve.workers.model import SeqBatchInfo, build_model, parse_config  # noqa: E402
 from pdserve.workers.model.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets  # noqa: E402
 
 B = 4
@@ -128,7 +128,7 @@ def test_engine_on_cpu_has_no_graphs(tmp_path) -> None:
 
 def test_models_without_a_fixed_shape_path_stay_eager() -> None:
     """A sparse MoE reads its routing on the host: no graphs for it."""
-    cfg = ModelConfig.from_hf_dict(dict(
+    cfg = parse_config(dict(
         architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=32, intermediate_size=64,
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
         max_position_embeddings=128, num_local_experts=4, num_experts_per_tok=2))

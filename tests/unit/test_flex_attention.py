@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_models import windowed_qwen3  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.model import SeqBatchInfo  # noqa: E402
 from pdserve.workers.model import flex_attention as FA  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_models import StepDriver, decode_case, paged_matches_sdpa, windowed_qwen3  # noqa: E402
 from test_cpu_kernels import _reference  # noqa: E402
 
-from pdserve.workers.kv_pool import KVPool  # noqa: E402
+from pdserve.transport.kv_pool import KVPool  # noqa: E402
 from pdserve.workers.model import gpu_kernels  # noqa: E402
 
 CUDA = torch.cuda.is_available()

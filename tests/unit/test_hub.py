@@ -233,7 +233,7 @@ def test_weights_and_kv_that_do_not_fit_fail_with_the_numbers():
 
 def test_the_kv_bytes_checked_are_the_pool_the_engine_allocates(tiny):
     from pdserve.workers.engine import kv_pool_size
-    from pdserve.workers.kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
     mcfg = load_config(tiny)
     per_block = KVPool.bytes_per_block_for(mcfg.num_hidden_layers, 8, mcfg.cache_heads,

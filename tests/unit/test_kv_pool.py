@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.workers.kv_pool import KVPool
+from pdserve.transport.kv_pool import KVPool
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,66 +1,94 @@
-"""Imports point down the layers docs/design.md states: scheduler < transport < workers <
-cluster < bench < cli. A module may import its own layer and the ones below it, at module level
-or inside a function; a type-only import under ``if TYPE_CHECKING:`` does not count."""
+"""Imports point down the layers docs/design.md states, lowest first:
+
+    base < scheduler < transport < workers < cluster < bench < cli
+
+A module may import its own layer and the ones below it, never one above: at module level,
+inside a function, relative, and type-only under ``if TYPE_CHECKING:`` too (a type names a
+module as surely as a call does). Every module of the package has a layer:
+
+- base: what imports no other layer. The root package's ``__init__.py`` (its re-exports of
+  ``LLM``, ``SamplingParams``, ``RequestOutput`` and ``Client`` are lazy: an import of one counts
+  as an import of its module, tests/unit/import_graph.py), ``traces.py`` (stdlib only, usable
+  from any layer), ``proto/`` (the .proto and its stub generator, which setup.py runs before
+  pdserve is installed, so it imports no pdserve) and ``data/`` (bundled trace files, no code).
+- the folders scheduler/ ... cli/ are their own layers; ``__main__.py`` (``python -m
+  pdserve``) is in cli, the top floor.
+"""
 from __future__ import annotations
 
-import ast
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("scheduler", "transport", "workers", "cluster", "bench", "cli")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the suite imports with importlib
+from import_graph import read_package  # noqa: E402
+
+LAYERS = ("base", "scheduler", "transport", "workers", "cluster", "bench", "cli")
+BASE = {"traces", "proto", "data"}  # top-level names below scheduler/, beside the root __init__
+IN_CLI = {"__main__"}
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
+def layer_of(module: str) -> str:
+    """The layer of a pdserve module (a name under none of them is an error: place it)."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in BASE:
+        return "base"
+    if parts[1] in IN_CLI:
+        return "cli"
+    if parts[1] in LAYERS:
+        return parts[1]
+    raise AssertionError(f"{module} is in no layer: give it one here and in docs/design.md")
 
 
-def _imported_layers(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
-    """(line, layer) of every pdserve import in the file (absolute or relative)."""
-    tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_lines(tree)
-    package = path.relative_to(root).parts[:-1]  # e.g. ("workers",) or ("workers", "model")
-    out = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or node.lineno in skip:
-            continue
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against this file's package
-                base = list(package[:len(package) - node.level + 1])
-                names = [".".join(["pdserve", *base, *(node.module.split(".") if node.module else [])])]
-            else:
-                names = [node.module or ""]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "pdserve" and len(parts) > 1 and parts[1] in LAYERS:
-                out.append((node.lineno, parts[1]))
-    return out
+def wrong_imports(root: Path | None = None) -> list[str]:
+    imports = read_package(root) if root is not None else read_package()
+    wrong = []
+    for module, found in sorted(imports.items()):
+        mine = LAYERS.index(layer_of(module))
+        for line, target in sorted(found.modules):
+            theirs = layer_of(target)
+            if LAYERS.index(theirs) > mine:
+                wrong.append(f"{module}:{line} imports {target} ({theirs}, above {layer_of(module)})")
+    return wrong
+
+
+def test_every_module_has_a_layer():
+    layers = {layer_of(m) for m in read_package()}
+    assert layers == set(LAYERS)
 
 
 def test_imports_point_down_the_layers():
-    wrong = []
-    for layer in LAYERS:
-        for path in sorted((ROOT / layer).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            for line, target in _imported_layers(path):
-                if LAYERS.index(target) > LAYERS.index(layer):
-                    wrong.append(f"{rel}:{line} imports {target}/ (above {layer}/)")
+    wrong = wrong_imports()
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
-    """The checker itself: a function-level and a relative import are seen, a TYPE_CHECKING
-    one is not."""
-    (tmp_path / "transport").mkdir()
-    sample = tmp_path / "transport" / "probe.py"
-    sample.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..workers import kv_pool\n"
-                      "def f():\n    from pdserve.cluster import metrics\n    from ..workers import engine\n"
-                      "from .protocol import KVLayout\n")
-    assert sorted(t for _, t in _imported_layers(sample, tmp_path)) == ["cluster", "transport", "workers"]
+def test_the_checker_sees_lazy_relative_and_type_only_imports(tmp_path):
+    """The checker itself: a function-level, a relative and a TYPE_CHECKING import up a layer
+    are all seen, as is a lazy root re-export (``from pdserve import LLM`` is workers) and a
+    root module importing a layer."""
+    files = {
+        "__init__.py": "_LAZY = {'LLM': ('pdserve.workers.engine', 'LLM')}\n",
+        "traces.py": "def f():\n    from pdserve.scheduler import request\n",
+        "scheduler/__init__.py": "",
+        "scheduler/request.py": "",
+        "transport/__init__.py": "",
+        "transport/probe.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..workers import engine\n"
+                               "def f():\n    from pdserve.cluster import metrics\n    from pdserve import LLM\n"
+                               "from .other import X\n"),
+        "transport/other.py": "",
+        "workers/__init__.py": "",
+        "workers/engine.py": "",
+        "cluster/__init__.py": "",
+        "cluster/metrics.py": "",
+    }
+    packages = {"pdserve"}
+    for rel, source in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(source)
+        packages.add(".".join(["pdserve", *Path(rel).parent.parts]).rstrip("."))
+    (tmp_path / "pyproject.toml").write_text(f"[tool.setuptools]\npackages = {sorted(packages)!r}\n")
+    assert wrong_imports(tmp_path) == [
+        "pdserve.traces:2 imports pdserve.scheduler.request (scheduler, above base)",
+        "pdserve.transport.probe:3 imports pdserve.workers.engine (workers, above transport)",
+        "pdserve.transport.probe:5 imports pdserve.cluster.metrics (cluster, above transport)",
+        "pdserve.transport.probe:6 imports pdserve.workers.engine (workers, above transport)",
+    ]

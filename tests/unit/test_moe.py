@@ -109,26 +109,26 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
 
 
 def test_qwen3_moe_sparse_layers_and_refusals():
-    from pdserve.workers.model import ModelConfig, ModelConfigError
+    from pdserve.workers.model import ModelConfigError, parse_config
 
-    cfg = ModelConfig.from_hf_dict({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    cfg = parse_config({**QWEN3_MOE, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
     assert cfg.sparse_layers == (False, True, False, False) and cfg.norm_topk_prob is False
     # transformers 5 saves num_experts as num_local_experts.
-    cfg = ModelConfig.from_hf_dict({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"},
-                                    "num_local_experts": 4, "norm_topk_prob": True})
+    cfg = parse_config({**{k: v for k, v in QWEN3_MOE.items() if k != "num_experts"},
+                        "num_local_experts": 4, "norm_topk_prob": True})
     assert cfg.num_experts == 4 and all(cfg.sparse_layers) and cfg.norm_topk_prob
     for bad, match in [({"num_experts_per_tok": 5}, "num_experts_per_tok"),
                        ({"moe_intermediate_size": None}, "moe_intermediate_size"),
                        ({"mlp_only_layers": [0], "intermediate_size": None}, "intermediate_size"),
                        ({"hidden_act": "relu"}, "hidden_act")]:
         with pytest.raises(ModelConfigError, match=match):
-            ModelConfig.from_hf_dict({**QWEN3_MOE, **bad})
+            parse_config({**QWEN3_MOE, **bad})
 
 
 def test_mixtral_config():
-    from pdserve.workers.model import ModelConfig
+    from pdserve.workers.model import parse_config
 
-    cfg = ModelConfig.from_hf_dict({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                                    "num_local_experts": 8, "num_experts": None, "sliding_window": 16})
+    cfg = parse_config({**QWEN3_MOE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                        "num_local_experts": 8, "num_experts": None, "sliding_window": 16})
     assert (cfg.num_experts, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 128, True)
     assert cfg.layer_windows == (16,) * 4 and all(cfg.sparse_layers)

@@ -2,6 +2,8 @@
 
 ``ModelConfig`` holds what every decoder shares (sizes, RoPE, windows, the KV cache shape);
 an architecture that needs more subclasses it in its own module (``registry.py`` lists them).
+A config.json is parsed by ``registry.parse_config``; this module imports neither the registry
+nor any family (they import it), so the model package has no import cycle.
 ``parse_common`` reads the shared fields; each architecture's parser adds its own and rejects
 what it cannot run exactly with a ``ModelConfigError`` instead of silently producing different
 logits.
@@ -105,13 +107,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
-
-    @classmethod
-    def from_hf_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """Parse through the architecture's own parser (see ``registry.py``)."""
-        from .registry import parse_config
-
-        return parse_config(cfg)
 
 
 def parse_common(

@@ -27,16 +27,16 @@ capture itself needs CUDA.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from .attention import Workspace
-from .batch import SeqBatchInfo, static_decode_metadata
+from .batch import AttentionMetadata, SeqBatchInfo, static_decode_metadata
+from .config import ModelConfig
 
 if TYPE_CHECKING:
-    from ..kv_pool import KVPool
-    from .decoder import DecoderLM
+    from pdserve.transport.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,25 @@ def _bucket(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} is above the largest bucket {buckets[-1]}")
 
 
+class GraphedModel(Protocol):
+    """What the graphs read and run of a model (``decoder.DecoderLM`` is one; it builds its
+    ``DecodeGraphs``, so this module names no decoder class and the two import no cycle)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def attention_backend(self) -> str: ...
+
+    def run_layers(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_pool: KVPool,
+                   workspace: Workspace) -> torch.Tensor: ...
+
+
 class DecodeGraphs:
     """The decode-step graphs of one model over one KV pool (see the module docstring)."""
 
-    def __init__(self, model: DecoderLM, kv_pool: KVPool, *, max_batch: int, max_blocks: int,
+    def __init__(self, model: GraphedModel, kv_pool: KVPool, *, max_batch: int, max_blocks: int,
                  capture: bool = True) -> None:
         if max_batch < 1 or max_blocks < 1:
             raise ValueError("max_batch and max_blocks must be >= 1")

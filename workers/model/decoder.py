@@ -27,7 +27,7 @@ from .layers import (GatedMLP, PrepackedLinears, RMSNorm, RotaryEmbedding, _empt
                      prepack_weight)
 
 if TYPE_CHECKING:
-    from ..kv_pool import KVPool
+    from pdserve.transport.kv_pool import KVPool
 
 
 log = logging.getLogger(__name__)

@@ -6,6 +6,10 @@ compressed latent per token (``kv_heads`` 1, ``head_dim`` kv_lora_rank + qk_rope
 Block accounting (which ids are free, shared, cached) lives in ``pdserve.scheduler.kv_cache``;
 this class only holds the numbers. ``gather_blocks``/``scatter_blocks`` move whole blocks (all
 layers, K and V) in and out, for the disaggregated KV transfer.
+
+It lives in ``transport/`` beside the data plane that reads it (``kv_groups.BlockMover``,
+the sender and receiver), so no import runs from transport/ up to workers/; the workers' model
+and executor import it from here.
 """
 from __future__ import annotations
 
