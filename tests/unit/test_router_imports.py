@@ -29,7 +29,7 @@ def test_the_graph_covers_the_whole_package():
     assert {m.split(".")[1] for m in modules if m != "pdserve"} == TOP_LEVEL
     assert {"pdserve", "pdserve.traces", "pdserve.__main__", "pdserve.workers.model.llama",
             "pdserve.transport.kv_pool", "pdserve.proto.stubs", "pdserve.cluster.router.core"} <= modules
-    assert len(modules) > 150
+    assert len(modules) > 130
 
 
 def test_every_pdserve_import_names_a_module_of_the_package():
