@@ -8,9 +8,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": ("pdserve.workers.engine", "LLM"),
+    "LLM": ("pdserve.workers.offline", "LLM"),
     "SamplingParams": ("pdserve.workers.sampling", "SamplingParams"),
-    "RequestOutput": ("pdserve.workers.engine", "RequestOutput"),
+    "RequestOutput": ("pdserve.workers.offline", "RequestOutput"),
     "Client": ("pdserve.cluster.client", "Client"),
 }
 

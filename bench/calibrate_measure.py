@@ -44,7 +44,7 @@ def measure_steps(model_dir: str | Path, engine: dict[str, Any], *, repeats: int
     """Timed steps of the in-process engine over a sweep of batch shapes."""
     import torch
 
-    from pdserve.workers.engine import LLMEngine
+    from pdserve.workers.offline import LLMEngine
     from pdserve.workers.sampling import SamplingParams
 
     torch.set_num_threads(1)  # the worker actors run one torch thread each (LaunchConfig)

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.workers.config import EngineConfig
     from pdserve.scheduler.kv_events import KVEventLog
     from pdserve.transport.requests import Heartbeat, KvEvents, encode_frame
-    from pdserve.workers.engine import build_executor
+    from pdserve.workers.build import build_executor
     from pdserve.workers.host import worker_status
     from pdserve.workers.sampling import SamplingParams
     from pdserve.scheduler import LlmRequest

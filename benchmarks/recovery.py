@@ -647,7 +647,7 @@ def main(argv=None) -> int:
                                  connect_timeout_s=CONNECT_TIMEOUT_S, max_restarts=-1))
         print(f"cluster up in {time.time() - t0:.1f} s, gRPC port {cl.port}", flush=True)
         where = ray.get(cl.workers["gen-0"].__ray_call__.remote(
-            lambda self: __import__("pdserve.workers.engine", fromlist=["x"]).__file__),
+            lambda self: __import__("pdserve.workers.offline", fromlist=["x"]).__file__),
             timeout=RAY_TIMEOUT_S)
         print(f"workers import pdserve from {where}", flush=True)
         prober = Prober(cl.port, args.probe_interval)

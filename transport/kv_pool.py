@@ -70,42 +70,6 @@ class KVPool:
         return num_layers * num_planes * tokens_per_block * num_kv_heads * head_dim * itemsize
 
     @classmethod
-    def num_blocks_for_budget(
-        cls,
-        memory_bytes: int,
-        num_layers: int,
-        tokens_per_block: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        num_planes: int = 2,
-    ) -> int:
-        """How many whole blocks fit in memory_bytes (0 when not even one does)."""
-        per_block = cls.bytes_per_block_for(num_layers, tokens_per_block, num_kv_heads, head_dim, dtype, num_planes)
-        return max(0, int(memory_bytes) // per_block)
-
-    @classmethod
-    def from_memory_budget(
-        cls,
-        memory_bytes: int,
-        num_layers: int,
-        tokens_per_block: int,
-        num_kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        num_planes: int = 2,
-    ) -> KVPool:
-        n = cls.num_blocks_for_budget(memory_bytes, num_layers, tokens_per_block, num_kv_heads, head_dim,
-                                      dtype=dtype, num_planes=num_planes)
-        if n < 1:
-            raise ValueError(f"KV memory budget of {memory_bytes} bytes holds no block")
-        return cls(num_layers, n, tokens_per_block, num_kv_heads, head_dim, dtype=dtype, device=device,
-                   num_planes=num_planes)
-
-    @classmethod
     def for_model(
         cls,
         config: Any,

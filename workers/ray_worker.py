@@ -31,7 +31,7 @@ from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
 from . import events
 from .channel_server import RequestChannelServer
 from .config import EngineConfig
-from .engine import build_worker_executor
+from .build import build_worker_executor
 from .host import Faults, WorkerHost
 from .kv_control import KVTransferFailed, PeerGone
 from .names import NAMESPACE, ROUTER_NAME, actor_name

@@ -22,7 +22,7 @@ from typing import Any
 from pdserve.transport.requests import WireRequest, WireUpdate
 
 from .config import EngineConfig
-from .engine import build_worker_executor
+from .build import build_worker_executor
 from .host import Faults, RequestStream, WorkerHost
 from .transceiver import ControlMessage
 

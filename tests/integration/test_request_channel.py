@@ -29,7 +29,7 @@ from pdserve.transport.requests import (
 )
 from pdserve.workers.channel_server import RequestChannelServer
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.engine import build_executor
+from pdserve.workers.build import build_executor
 from pdserve.workers.host import WorkerHost
 from pdserve.workers.tiny_model import make_tiny_model
 

@@ -26,7 +26,7 @@ ENGINE = dict(tokens_per_block=16, max_batch_size=8, max_num_tokens=128,
 @pytest.mark.parametrize("policy", ["MAX_UTILIZATION", "GUARANTEED_NO_EVICT"])
 def test_simulated_worker_decides_like_the_executor(policy):
     from pdserve.cluster.launch import builtin_model_dir
-    from pdserve.workers.engine import LLMEngine
+    from pdserve.workers.offline import LLMEngine
     from pdserve.workers.sampling import SamplingParams
 
     engine = dict(ENGINE, capacity_scheduler_policy=policy)

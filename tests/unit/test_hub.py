@@ -232,18 +232,26 @@ def test_weights_and_kv_that_do_not_fit_fail_with_the_numbers():
 
 
 def test_the_kv_bytes_checked_are_the_pool_the_engine_allocates(tiny):
-    from pdserve.workers.engine import kv_pool_size
+    """One memory plan sizes the pool and checks it: the blocks it checks are the blocks the
+    engine allocates (its scratch block included)."""
+    from pdserve.workers.memory import plan_memory
     from pdserve.transport.kv_pool import KVPool
 
     mcfg = load_config(tiny)
     per_block = KVPool.bytes_per_block_for(mcfg.num_hidden_layers, 8, mcfg.cache_heads,
                                            mcfg.cache_head_dim, torch.float32, mcfg.kv_planes)
-    assert kv_pool_size(EngineConfig(tokens_per_block=8, num_kv_blocks=100), mcfg,
-                        torch.float32) == (100, per_block)
-    assert kv_pool_size(EngineConfig(tokens_per_block=8, kv_cache_memory_bytes=10 * per_block + 1),
-                        mcfg, torch.float32) == (10, per_block)
-    assert kv_pool_size(EngineConfig(tokens_per_block=8, num_kv_blocks=100), mcfg,
-                        torch.bfloat16)[1] == per_block // 2
+    plan = plan_memory(EngineConfig(tokens_per_block=8, num_kv_blocks=100), mcfg, torch.float32, "cpu")
+    assert (plan.kv_blocks, plan.bytes_per_block, plan.weight_bytes) == (100, per_block, None)
+    plan = plan_memory(EngineConfig(tokens_per_block=8, kv_cache_memory_bytes=10 * per_block + 1),
+                       mcfg, torch.float32, "cpu", scratch_blocks=1)
+    assert (plan.kv_blocks, plan.pool_blocks, plan.kv_bytes) == (10, 11, 11 * per_block)
+    plan = plan_memory(EngineConfig(tokens_per_block=8, num_kv_blocks=100), mcfg, torch.bfloat16,
+                       "cpu", model_dir=tiny, budget=(1 << 40, "test"))
+    assert plan.bytes_per_block == per_block // 2
+    assert plan.weight_bytes == checkpoint_bytes(tiny, torch.bfloat16)
+    with pytest.raises(ModelLoadError, match="KV cache"):
+        plan_memory(EngineConfig(tokens_per_block=8, num_kv_blocks=100), mcfg, torch.float32,
+                    "cpu", model_dir=tiny, budget=(plan.weight_bytes, "test"))
 
 
 def test_the_engine_refuses_before_reading_a_weight(tiny, monkeypatch):

@@ -77,15 +77,13 @@ def test_scatter_converts_dtype_and_rejects_bad_input() -> None:
         pool.scatter_blocks([-1], torch.zeros(pool.block_shape(1)))
 
 
-def test_memory_budget_sizing() -> None:
+def test_bytes_per_block() -> None:
+    """Pool sizing from a memory budget is workers/memory.py's (plan_memory, tested in
+    test_hub.py); the pool only states what one block takes."""
     per_block = KVPool.bytes_per_block_for(4, 16, 2, 32, torch.float16)
     assert per_block == 4 * 2 * 16 * 2 * 32 * 2
-    assert KVPool.num_blocks_for_budget(per_block * 7 + per_block - 1, 4, 16, 2, 32, dtype=torch.float16) == 7
-    assert KVPool.num_blocks_for_budget(per_block - 1, 4, 16, 2, 32, dtype=torch.float16) == 0
-    pool = KVPool.from_memory_budget(per_block * 5, 4, 16, 2, 32, dtype=torch.float16)
-    assert pool.num_blocks == 5 and pool.kv.numel() * 2 == per_block * 5
-    with pytest.raises(ValueError):
-        KVPool.from_memory_budget(per_block - 1, 4, 16, 2, 32, dtype=torch.float16)
+    pool = KVPool(4, 5, 16, 2, 32, dtype=torch.float16)
+    assert pool.bytes_per_block == per_block and pool.kv.numel() * 2 == per_block * 5
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,76 @@
+"""A worker's memory plan: the KV pool's size and the check that the weights and the pool fit
+the device, made once, before any weight is read.
+
+``plan_memory`` is the one place that sizes a pool (``num_kv_blocks``, else as many blocks as
+``kv_cache_memory_bytes`` holds, else a full batch of sequences within a default cap) and
+compares weights + pool against what the device offers (``loader.memory_budget``); the engine
+builder allocates exactly the plan's blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.transport.kv_pool import KVPool
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.loader import check_memory, checkpoint_bytes
+from pdserve.workers.model import ModelConfig
+
+# Default pool when neither num_kv_blocks nor kv_cache_memory_bytes is given: room for a full
+# batch of sequences of up to this many tokens, within the memory cap below.
+DEFAULT_TOKENS_PER_SEQ = 2048
+DEFAULT_KV_MEMORY_CAP = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """``kv_blocks``: the blocks the scheduler hands out; ``scratch_blocks``: pool blocks
+    outside it (a sliding-window pool's scratch block). ``weight_bytes`` None: the weights were
+    loaded already, so only the pool was sized."""
+
+    dtype: torch.dtype
+    kv_blocks: int
+    scratch_blocks: int
+    bytes_per_block: int
+    weight_bytes: int | None
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.kv_blocks + self.scratch_blocks
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool_blocks * self.bytes_per_block
+
+
+def kv_blocks_for(config: EngineConfig, mcfg: ModelConfig, bytes_per_block: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        B = config.tokens_per_block
+        max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
+        want = config.max_batch_size * -(-min(max_seq_len, DEFAULT_TOKENS_PER_SEQ) // B)
+        budget = min(DEFAULT_KV_MEMORY_CAP, want * bytes_per_block)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block of {bytes_per_block} bytes")
+    return num_blocks
+
+
+def plan_memory(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype,
+                device: torch.device | str, *, model_dir: str | Path | None = None,
+                scratch_blocks: int = 0, budget: tuple[int, str] | None = None) -> MemoryPlan:
+    """The pool for ``mcfg`` at ``dtype``, and, with ``model_dir`` (weights still on disk),
+    the check that weights + pool fit ``device`` (``ModelLoadError`` with the numbers when they
+    do not; ``budget``: the room to check against instead of the device's own)."""
+    per_block = KVPool.bytes_per_block_for(mcfg.num_hidden_layers, config.tokens_per_block,
+                                           mcfg.cache_heads, mcfg.cache_head_dim, dtype,
+                                           mcfg.kv_planes)
+    plan = MemoryPlan(dtype, kv_blocks_for(config, mcfg, per_block), scratch_blocks, per_block,
+                      checkpoint_bytes(model_dir, dtype, mcfg) if model_dir is not None else None)
+    if plan.weight_bytes is not None:
+        check_memory(plan.weight_bytes, plan.kv_bytes, dtype, device, budget)
+    return plan
