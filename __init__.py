@@ -8,9 +8,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": ("pdserve.workers.offline", "LLM"),
-    "SamplingParams": ("pdserve.workers.sampling", "SamplingParams"),
-    "RequestOutput": ("pdserve.workers.offline", "RequestOutput"),
+    "LLM": ("pdserve.workers.engine.offline", "LLM"),
+    "SamplingParams": ("pdserve.workers.runner.sampling", "SamplingParams"),
+    "RequestOutput": ("pdserve.workers.engine.offline", "RequestOutput"),
     "Client": ("pdserve.cluster.client", "Client"),
 }
 

@@ -44,8 +44,8 @@ def measure_steps(model_dir: str | Path, engine: dict[str, Any], *, repeats: int
     """Timed steps of the in-process engine over a sweep of batch shapes."""
     import torch
 
-    from pdserve.workers.offline import LLMEngine
-    from pdserve.workers.sampling import SamplingParams
+    from pdserve.workers.engine.offline import LLMEngine
+    from pdserve.workers.runner.sampling import SamplingParams
 
     torch.set_num_threads(1)  # the worker actors run one torch thread each (LaunchConfig)
     llm = LLMEngine(model_dir, **{**engine, "enable_block_reuse": False})

@@ -201,7 +201,7 @@ class ClusterSimulator:
         def publish(t: float, worker: SimWorker) -> None:
             """The worker drains its KV event log (as after each step); the batch reaches the
             index one hop later. An overflowed log sends the whole cache as a snapshot, which
-            names the next batch's number and takes none itself (workers/channel_server.py)."""
+            names the next batch's number and takes none itself (workers/process/channel_server.py)."""
             nonlocal snapshots
             log = worker.kv.kv_events
             if log is None:

@@ -46,7 +46,7 @@ def workload(num_requests: int) -> list[tuple[list[int], int]]:
 
 
 def make_model(path: Path) -> None:
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     if not (path / "config.json").exists():
         make_tiny_model(path, **MODEL)

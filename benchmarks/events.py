@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.traces import fit_scale, load_trace, synth_prompt
     from pdserve.cluster.launch import builtin_model_dir
-    from pdserve.workers import events as E
+    from pdserve.workers.engine import events as E
     from pdserve.workers.config import EngineConfig
     from pdserve.scheduler.kv_events import KVEventLog
     from pdserve.transport.requests import Heartbeat, KvEvents, encode_frame
-    from pdserve.workers.build import build_executor
-    from pdserve.workers.host import worker_status
-    from pdserve.workers.sampling import SamplingParams
+    from pdserve.workers.engine.build import build_executor
+    from pdserve.workers.process.host import worker_status
+    from pdserve.workers.runner.sampling import SamplingParams
     from pdserve.scheduler import LlmRequest
 
     class TimedEvents(E.WorkerEvents):

@@ -97,7 +97,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def make_model(spec: dict[str, Any], root: Path) -> Path:
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     name = "gpu-check-" + "-".join(f"{k}{v}" for k, v in sorted(spec.items()))
     path = root / name
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     global B
     B = args.tokens_per_block
-    from pdserve.workers.loader import load_model
+    from pdserve.workers.loading.loader import load_model
     from pdserve.workers.model.flex_attention import paged_supported
 
     device = args.device

@@ -542,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("nothing to run")
         return 2
 
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-harnesses-"))
     results: list[Result] = []

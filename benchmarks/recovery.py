@@ -412,24 +412,24 @@ def _init_probe_class():
             import importlib
 
             # What unpickling the actor class does in a restarted worker.
-            importlib.import_module("pdserve.workers.context_worker")
-            importlib.import_module("pdserve.workers.generation_worker")
+            importlib.import_module("pdserve.workers.process.context_worker")
+            importlib.import_module("pdserve.workers.process.generation_worker")
             lap("import pdserve.workers (+ray_worker, engine, executor)")
             from pdserve.cluster.metrics import WorkerMetrics
             lap("import pdserve.cluster.metrics (the metrics arg)")
             from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
             lap("import transport (torch.distributed)")
-            from pdserve.workers import events
-            from pdserve.workers.channel_server import RequestChannelServer
+            from pdserve.workers.engine import events
+            from pdserve.workers.process.channel_server import RequestChannelServer
             from pdserve.workers.config import EngineConfig
-            from pdserve.workers.engine_core import EngineCore
-            from pdserve.workers.model_runner import ModelRunner
-            from pdserve.workers.host import Faults, WorkerHost
+            from pdserve.workers.engine.core import EngineCore
+            from pdserve.workers.runner.model_runner import ModelRunner
+            from pdserve.workers.process.host import Faults, WorkerHost
             from pdserve.transport.kv_pool import KVPool
-            from pdserve.workers.loader import load_model, resolve_dtype
-            from pdserve.workers.names import actor_name
-            from pdserve.workers.ray_worker import RayControlPlane
-            from pdserve.workers.transceiver import KVTransceiver
+            from pdserve.workers.loading.loader import load_model, resolve_dtype
+            from pdserve.workers.process.names import actor_name
+            from pdserve.workers.process.ray_worker import RayControlPlane
+            from pdserve.workers.engine.transceiver import KVTransceiver
             torch.set_num_threads(1)
             events.route_to_stderr()
             config = EngineConfig.from_kwargs(engine)
@@ -503,8 +503,8 @@ def cold_starts(model_dir: str, reps: int) -> dict:
     import ray
 
     from pdserve.cluster.metrics import WorkerMetrics
-    from pdserve.workers.context_worker import ContextWorker
-    from pdserve.workers.names import NAMESPACE
+    from pdserve.workers.process.context_worker import ContextWorker
+    from pdserve.workers.process.names import NAMESPACE
 
     out: dict[str, list[float]] = {"with_runtime_env": [], "without_runtime_env": []}
     for i in range(reps):
@@ -647,7 +647,7 @@ def main(argv=None) -> int:
                                  connect_timeout_s=CONNECT_TIMEOUT_S, max_restarts=-1))
         print(f"cluster up in {time.time() - t0:.1f} s, gRPC port {cl.port}", flush=True)
         where = ray.get(cl.workers["gen-0"].__ray_call__.remote(
-            lambda self: __import__("pdserve.workers.offline", fromlist=["x"]).__file__),
+            lambda self: __import__("pdserve.workers.engine.offline", fromlist=["x"]).__file__),
             timeout=RAY_TIMEOUT_S)
         print(f"workers import pdserve from {where}", flush=True)
         prober = Prober(cl.port, args.probe_interval)

@@ -54,7 +54,7 @@ async def _worst_stall(work) -> tuple[float, float]:
 def main() -> None:
     from pdserve.cluster.launch import builtin_model_dir
     from pdserve.cluster.router.core import TEXT_THREADS, longest_token_bytes
-    from pdserve.workers.loader import load_tokenizer
+    from pdserve.workers.loading.loader import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="HF model directory (default: the built-in tiny model)")

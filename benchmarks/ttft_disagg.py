@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.cluster.client import Client
     from pdserve.cluster.launch import LaunchConfig, ensure_ray, launch
     from pdserve.cluster.router import RouterConfig
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     blocks = -(-a.prompt_tokens // TOKENS_PER_BLOCK) + 1
     engine = dict(tokens_per_block=TOKENS_PER_BLOCK, max_batch_size=4,

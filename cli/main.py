@@ -226,7 +226,7 @@ def _launch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdserve launch", description="Serve a model with P/D disaggregation on Ray.")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
-    from pdserve.workers.hub import UnsupportedOption, check_supported_options
+    from pdserve.workers.loading.hub import UnsupportedOption, check_supported_options
 
     try:
         check_supported_options(args.model, revision=args.revision, tokenizer=args.tokenizer,
@@ -532,7 +532,7 @@ def _demo_scheduler(argv: list[str]) -> int:
 
 
 def _make_tiny_model(argv: list[str]) -> int:
-    from pdserve.workers.tiny_model import main
+    from pdserve.workers.loading.tiny_model import main
 
     return main(argv)
 

@@ -3,7 +3,7 @@ killing them. Used by ``pdserve shutdown --address`` (``launch.shutdown_all``) a
 router's own Shutdown call (``router_actor``)."""
 from __future__ import annotations
 
-from pdserve.workers.names import NAMESPACE, ROUTER_NAME
+from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME
 
 
 def pdserve_actor_names(namespace: str = NAMESPACE) -> list[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pdserve.workers.names import NAMESPACE, ROUTER_NAME, actor_name
+from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME, actor_name
 
 from .actors import kill_actors, pdserve_actor_names
 
@@ -95,7 +95,7 @@ def check_resources(name: str, value: Any) -> None:
 
 def builtin_model_dir() -> Path:
     """The built-in tiny model: written once (deterministically) into a cache folder."""
-    from pdserve.workers.tiny_model import BUILTIN_MODEL_NAME, write_builtin_model
+    from pdserve.workers.loading.tiny_model import BUILTIN_MODEL_NAME, write_builtin_model
 
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     return write_builtin_model(root / BUILTIN_MODEL_NAME)
@@ -108,7 +108,7 @@ def launch_model(model: str | None) -> tuple[Path, str, str | None]:
     this node's Hugging Face cache (downloading unless HF_HUB_OFFLINE=1), for the router; the
     workers get the name and the commit found here, and resolve it from their own node's cache,
     so every worker loads the same snapshot. Raises ``hub.ModelResolveError``."""
-    from pdserve.workers.hub import is_repo_id, resolve_model
+    from pdserve.workers.loading.hub import is_repo_id, resolve_model
 
     if model is None:
         path = builtin_model_dir()
@@ -453,8 +453,8 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pdserve.cluster.metrics import WorkerMetrics
-    from pdserve.workers.context_worker import ContextWorker
-    from pdserve.workers.generation_worker import GenerationWorker
+    from pdserve.workers.process.context_worker import ContextWorker
+    from pdserve.workers.process.generation_worker import GenerationWorker
 
     model_dir, worker_model, model_commit = launch_model(cfg.model)
     router_cfg = cfg.router

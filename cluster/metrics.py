@@ -39,8 +39,8 @@ from pdserve.scheduler import lifecycle
 
 if TYPE_CHECKING:
     from pdserve.transport.sessions import TransferLog, TransferRecord
-    from pdserve.workers.engine_core import EngineCore
-    from pdserve.workers.engine_state import EngineStats
+    from pdserve.workers.engine.core import EngineCore
+    from pdserve.workers.engine.state import EngineStats
 
 from .metric_specs import (
     COUNTER,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ray
 
-from pdserve.workers.names import NAMESPACE, ROUTER_NAME, actor_name
+from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME, actor_name
 
 from .router import RouterConfig
 
@@ -48,7 +48,7 @@ class RouterActor:
         """Start the core (every worker heard and ready, or its wait over), then open the doors.
         Returns the gRPC port."""
         from pdserve.cluster.front.doors import FrontDoors
-        from pdserve.workers.loader import load_tokenizer
+        from pdserve.workers.loading.loader import load_tokenizer
 
         from .router import Router
 

@@ -1,5 +1,5 @@
 """The router's end of a worker's request channel (``transport/requests.py`` has the frames,
-``workers/channel_server.py`` why the path is a socket, not a Ray call): one asyncio connection
+``workers/process/channel_server.py`` why the path is a socket, not a Ray call): one asyncio connection
 per worker process, one reader task that hands each update to the attempt it belongs to.
 
 ``connect`` sends the hello (protocol version and token) and waits for the worker's ack; a

@@ -38,7 +38,7 @@ class EngineConfig:
     # CPU intra-op threads by step size: a step of fewer than small_step_tokens tokens (decode
     # batches) runs on small_step_threads torch threads, a larger one (prefill chunks) on all the
     # process has. None (default): every step on all. "auto": measured per step size
-    # (workers/step_threads.py: 1, 2, 4 ... all, the fastest median). An integer: that many.
+    # (workers/runner/step_threads.py: 1, 2, 4 ... all, the fastest median). An integer: that many.
     # Decode steps of a few sequences are bound by memory bandwidth, where more threads gain
     # little and, on a machine whose other cores serve the router and the HTTP clients,
     # straggle (docs/benchmarks.md section 20). `pdserve launch --torch-threads auto` sets "auto".

@@ -32,10 +32,10 @@ import transformers
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler import LlmRequestType
 from pdserve.transport.requests import UpdateKind, WireRequest
-from pdserve.workers.build import sliding_window_of
-from pdserve.workers.loader import load_config
-from pdserve.workers.rpc_worker import RpcWorkerClient
-from pdserve.workers.tiny_model import build_byte_tokenizer
+from pdserve.workers.engine.build import sliding_window_of
+from pdserve.workers.loading.loader import load_config
+from pdserve.workers.process.rpc_worker import RpcWorkerClient
+from pdserve.workers.loading.tiny_model import build_byte_tokenizer
 
 VOCAB = 300
 MAX_NEW = 10
@@ -170,14 +170,14 @@ class _Worker:
 @contextmanager
 def disagg_pair(model_dir: Path, log_dir: Path, engine: dict[str, Any] | None = None,
                 gen_engine: dict[str, Any] | None = None) -> Iterator[tuple[_Worker, _Worker]]:
-    """A context worker and a generation worker (``python -m pdserve.workers.rpc_worker``);
+    """A context worker and a generation worker (``python -m pdserve.workers.process.rpc_worker``);
     ``gen_engine``: the generation worker's settings that differ from ``engine``."""
     started: list[_Worker] = []
     engines = {"context": {**DISAGG_ENGINE, **(engine or {})}}
     engines["generation"] = {**engines["context"], **(gen_engine or {})}
 
     def spawn(role: str, worker_id: str, peers: dict[str, str]) -> _Worker:
-        cmd = [sys.executable, "-m", "pdserve.workers.rpc_worker", "--role", role, "--worker-id", worker_id,
+        cmd = [sys.executable, "-m", "pdserve.workers.process.rpc_worker", "--role", role, "--worker-id", worker_id,
                "--model", str(model_dir), "--engine", json.dumps(engines[role]), "--peers", json.dumps(peers)]
         log = open(Path(log_dir) / f"{worker_id}.log", "w")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,

@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 
 from pdserve.transport.kv_pool import KVPool  # noqa: E402
-from pdserve.workers.loader import load_model  # noqa: E402
+from pdserve.workers.loading.loader import load_model  # noqa: E402
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.deepseek_v3 import DeepseekV3Router  # noqa: E402
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 ATOL = 1e-4
 LAYERS, KV_LORA_RANK, ROPE_DIM = 3, 32, 16

@@ -20,9 +20,9 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 import test_model_parity as MP  # noqa: E402  (its paged-forward helpers: Cache, _step, ...)
 
-from pdserve.workers.loader import LoadedModel, load_model  # noqa: E402
+from pdserve.workers.loading.loader import LoadedModel, load_model  # noqa: E402
 from pdserve.workers.model import ModelConfigError, parse_config  # noqa: E402
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 ARCH = "Gemma3ForCausalLM"
 LOCAL_GLOBAL = ["sliding_attention", "full_attention", "sliding_attention"]

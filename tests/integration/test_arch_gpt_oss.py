@@ -17,10 +17,10 @@ import arch_parity as P  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from pdserve.transport.kv_pool import KVPool  # noqa: E402
-from pdserve.workers.loader import checkpoint_bytes, load_model  # noqa: E402
+from pdserve.workers.loading.loader import checkpoint_bytes, load_model  # noqa: E402
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config  # noqa: E402
 from pdserve.workers.model.gpt_oss import FP4_E2M1_VALUES, dequantize_mxfp4, sink_attention  # noqa: E402
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 ATOL = 1e-4
 WINDOW = 5

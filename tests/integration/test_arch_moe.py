@@ -16,9 +16,9 @@ import arch_parity as P  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from test_model_parity import ATOL, Cache, _hf_logits, _step, _tokens  # noqa: E402
 
-from pdserve.workers.loader import load_model  # noqa: E402
+from pdserve.workers.loading.loader import load_model  # noqa: E402
 from pdserve.workers.model.moe import SparseMoE  # noqa: E402
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 # name -> (config class, overrides)

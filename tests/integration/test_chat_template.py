@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.cluster.front.openai.chat_template import ChatTemplate, ChatTemplateError
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 # A template in the style many models ship: a default system prompt, loop controls, tojson,
 # raise_exception for a bad role, and whitespace that only trim_blocks/lstrip_blocks tidy up.

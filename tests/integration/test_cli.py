@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_session import launch_generate_status_shutdown  # noqa: E402
 from hub_cache import add_to_hub_cache  # noqa: E402
 
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 PDSERVE = [sys.executable, "-m", "pdserve"]
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}

@@ -27,8 +27,8 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler import LlmRequestType
 from pdserve.transport.requests import UpdateKind, WireRequest, WireUpdate
-from pdserve.workers.rpc_worker import RpcWorkerClient
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.process.rpc_worker import RpcWorkerClient
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 import arch_parity as P  # noqa: E402
 
@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _spawner(model_dir: Path, tmp_path: Path, started: list[Worker]):
     def _spawn(role: str, worker_id: str, *, engine=None, peers=None, **opts) -> Worker:
-        cmd = [sys.executable, "-m", "pdserve.workers.rpc_worker", "--role", role,
+        cmd = [sys.executable, "-m", "pdserve.workers.process.rpc_worker", "--role", role,
                "--worker-id", worker_id, "--model", str(model_dir),
                "--engine", json.dumps({**ENGINE, **(engine or {})}),
                "--peers", json.dumps(peers or {})]

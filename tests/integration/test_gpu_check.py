@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import gpu_check  # noqa: E402  (benchmarks/, on sys.path through tests/conftest.py)
 from pdserve import LLM  # noqa: E402
-from pdserve.workers.loader import load_model  # noqa: E402
+from pdserve.workers.loading.loader import load_model  # noqa: E402
 
 SPEC = dict(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
             vocab_size=384, max_position_embeddings=1024, seed=3)

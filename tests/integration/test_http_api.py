@@ -26,7 +26,7 @@ import ray  # noqa: E402
 import cluster_util as U  # noqa: E402
 from pdserve.cluster.front.openai.chat_template import ChatTemplate  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
-from pdserve.workers.loader import load_tokenizer  # noqa: E402
+from pdserve.workers.loading.loader import load_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

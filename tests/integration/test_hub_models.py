@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve import LLM, SamplingParams
-from pdserve.workers import loader
-from pdserve.workers.loader import checkpoint_bytes, load_model
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.loading import loader
+from pdserve.workers.loading.loader import checkpoint_bytes, load_model
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = ["hello there", "a paged KV cache"]

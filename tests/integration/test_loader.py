@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers", reason="checks loading against transformers")
 
 from pdserve.transport.kv_pool import KVPool
-from pdserve.workers.loader import ModelLoadError, load_config, load_model, load_tokenizer
+from pdserve.workers.loading.loader import ModelLoadError, load_config, load_model, load_tokenizer
 from pdserve.workers.model import ModelConfigError, SeqBatchInfo, parse_config
-from pdserve.workers.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
-from pdserve.workers.tiny_model import SPECIAL_TOKENS, build_byte_tokenizer, main, make_tiny_model
+from pdserve.workers.loading.tiny_model import ARCHITECTURES as TINY_ARCHITECTURES
+from pdserve.workers.loading.tiny_model import SPECIAL_TOKENS, build_byte_tokenizer, main, make_tiny_model
 
 
 def _prefill_logits(lm, tokens: list[int]) -> torch.Tensor:  # [len(tokens), V]

@@ -52,7 +52,7 @@ def _record_metrics(worker_id: str, router_id: str):
     """Records one set of events; returns the (worker, gauges, router) that keep the gauges."""
     from pdserve.cluster.metrics import RouterMetrics, WorkerGauges, WorkerMetrics
     from pdserve.transport.sessions import TransferLog, TransferRecord
-    from pdserve.workers.engine_state import EngineStats
+    from pdserve.workers.engine.state import EngineStats
 
     worker = WorkerMetrics("context", worker_id)
     stats, ts = EngineStats(), TransferLog()

@@ -17,10 +17,10 @@ import torch
 transformers = pytest.importorskip("transformers", reason="parity tests compare against transformers")
 
 from pdserve.transport.kv_pool import KVPool
-from pdserve.workers.loader import LoadedModel, load_model
+from pdserve.workers.loading.loader import LoadedModel, load_model
 from pdserve.workers.model import SeqBatchInfo
 from pdserve.workers.model.batch import GROUP_GATHER_BYTES
-from pdserve.workers.tiny_model import build_byte_tokenizer
+from pdserve.workers.loading.tiny_model import build_byte_tokenizer
 
 ATOL = 1e-4
 VOCAB = 300

@@ -16,9 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="parity tests compare against transformers")
 
 from pdserve.transport.kv_pool import KVPool
-from pdserve.workers.loader import LoadedModel, load_model
+from pdserve.workers.loading.loader import LoadedModel, load_model
 from pdserve.workers.model import SeqBatchInfo
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 ATOL = 1e-4
 VOCAB = 300

@@ -27,11 +27,11 @@ from pdserve.transport.requests import (
     SamplingParams,
     encode_frame,
 )
-from pdserve.workers.channel_server import RequestChannelServer
+from pdserve.workers.process.channel_server import RequestChannelServer
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.build import build_executor
-from pdserve.workers.host import WorkerHost
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.engine.build import build_executor
+from pdserve.workers.process.host import WorkerHost
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.workers.tiny_model import build_byte_tokenizer  # noqa: E402
+from pdserve.workers.loading.tiny_model import build_byte_tokenizer  # noqa: E402
 
 VOCAB = 300
 MAX_NEW = 12

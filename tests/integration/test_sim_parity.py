@@ -26,8 +26,8 @@ ENGINE = dict(tokens_per_block=16, max_batch_size=8, max_num_tokens=128,
 @pytest.mark.parametrize("policy", ["MAX_UTILIZATION", "GUARANTEED_NO_EVICT"])
 def test_simulated_worker_decides_like_the_executor(policy):
     from pdserve.cluster.launch import builtin_model_dir
-    from pdserve.workers.offline import LLMEngine
-    from pdserve.workers.sampling import SamplingParams
+    from pdserve.workers.engine.offline import LLMEngine
+    from pdserve.workers.runner.sampling import SamplingParams
 
     engine = dict(ENGINE, capacity_scheduler_policy=policy)
     model_dir = builtin_model_dir()

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.workers.build import sliding_window_of  # noqa: E402
-from pdserve.workers.loader import load_config  # noqa: E402
+from pdserve.workers.engine.build import sliding_window_of  # noqa: E402
+from pdserve.workers.loading.loader import load_config  # noqa: E402
 
 W, B = 8, 4
 CHUNKED = dict(tokens_per_block=B, num_kv_blocks=64, max_batch_size=8, max_num_tokens=16,

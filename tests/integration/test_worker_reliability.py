@@ -16,13 +16,13 @@ from pdserve.transport.sessions import RecvState
 from pdserve.transport.requests import ErrorKind, UpdateKind, WireRequest
 from pdserve.transport.torch_dist import KVReceiver, TransportConfig
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.engine_core import EngineCore
-from pdserve.workers.model_runner import ModelRunner
+from pdserve.workers.engine.core import EngineCore
+from pdserve.workers.runner.model_runner import ModelRunner
 from pdserve.transport.kv_pool import KVPool
-from pdserve.workers.loader import load_model
-from pdserve.workers.sampling import SamplingParams
-from pdserve.workers.tiny_model import make_tiny_model
-from pdserve.workers.host import WorkerHost
+from pdserve.workers.loading.loader import load_model
+from pdserve.workers.runner.sampling import SamplingParams
+from pdserve.workers.loading.tiny_model import make_tiny_model
+from pdserve.workers.process.host import WorkerHost
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -274,7 +274,7 @@ def test_a_steps_kv_requests_leave_before_its_forward(loaded):
     the host's outbox flush) before that step's forward runs, not after it: the context
     worker starts sending while this worker computes, one step earlier."""
     from pdserve.scheduler.request import ContextPhaseParams, LlmRequestType
-    from pdserve.workers.transceiver import KVTransceiver
+    from pdserve.workers.engine.transceiver import KVTransceiver
 
     config = EngineConfig.from_kwargs(ENGINE)
     mcfg = loaded.config

@@ -63,7 +63,7 @@ def greedy_tokens(model_dir, prompts, max_tokens: int, setup=None, **llm_kwargs)
     """Token ids of ``LLM.generate`` (greedy, EOS ignored) on a fresh fp32 CPU load of the
     model; ``setup(loaded, llm)`` runs before generating (a backend, graphs)."""
     from pdserve import LLM, SamplingParams
-    from pdserve.workers.loader import load_model
+    from pdserve.workers.loading.loader import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32, device="cpu")
     llm = LLM(loaded, device="cpu", **llm_kwargs)

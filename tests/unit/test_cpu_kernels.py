@@ -103,7 +103,7 @@ def test_paged_backend_matches_sdpa_over_steps() -> None:
 
 
 def test_engine_tokens_equal_across_backends(tmp_path) -> None:
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", seed=4)
     prompts = [[(5 * i + 11 * j) % 250 + 3 for j in range(4 + 13 * i)] for i in range(5)]

@@ -89,7 +89,7 @@ def test_graph_steps_match_eager_steps(backend) -> None:
 
 def test_engine_greedy_tokens_equal_with_graph_path(tmp_path) -> None:
     """LLM.generate through the fixed-shape decode path gives the eager engine's tokens."""
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     path = make_tiny_model(tmp_path / "tiny", seed=3)
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * i)] for i in range(6)]
@@ -118,8 +118,8 @@ def test_enforce_eager_option() -> None:
 
 def test_engine_on_cpu_has_no_graphs(tmp_path) -> None:
     from pdserve import LLM
-    from pdserve.workers.loader import load_model
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.loader import load_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     loaded = load_model(make_tiny_model(tmp_path / "tiny", seed=3), dtype=torch.float32, device="cpu")
     LLM(loaded, device="cpu", max_batch_size=4, num_kv_blocks=16)

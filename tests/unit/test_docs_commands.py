@@ -639,7 +639,7 @@ def test_python_blocks(where, body):
     tree = ast.parse(source, where)
     if "from pdserve import LLM" in source:
         from pdserve.workers.config import EngineConfig
-        from pdserve.workers.sampling import SamplingParams
+        from pdserve.workers.runner.sampling import SamplingParams
 
         (llm,) = _calls(tree, "LLM")
         EngineConfig.from_kwargs({k.arg: ast.literal_eval(k.value) for k in llm.keywords})

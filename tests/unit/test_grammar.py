@@ -1,4 +1,4 @@
-"""The grammar engine adapter (pdserve.workers.grammar) on the tiny byte-level tokenizer: text
+"""The grammar engine adapter (pdserve.workers.engine.grammar) on the tiny byte-level tokenizer: text
 sampled token by token from random logits under the mask is valid for its guide; replay gives
 the live matcher's masks; bad sources raise GrammarError naming the body field; the compile
 cache hands back one object.
@@ -26,8 +26,8 @@ from pdserve.transport.requests.structured import (
     json_schema_spec,
     regex_spec,
 )
-from pdserve.workers.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from pdserve.workers.tiny_model import EOS_ID, build_byte_tokenizer
+from pdserve.workers.engine.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from pdserve.workers.loading.tiny_model import EOS_ID, build_byte_tokenizer
 
 OFFSET = 3  # id 3 + b is byte b
 VOCAB = 300  # wider than the tokenizer's 259: ids 259.. are a model's padding, never allowed

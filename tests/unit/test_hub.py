@@ -1,5 +1,5 @@
-"""Models by Hub name (workers/hub.py) from an offline cache built here, the options pdserve
-refuses, and the launch-time memory arithmetic (workers/loader.py) with a made-up budget."""
+"""Models by Hub name (workers/loading/hub.py) from an offline cache built here, the options pdserve
+refuses, and the launch-time memory arithmetic (workers/loading/loader.py) with a made-up budget."""
 from __future__ import annotations
 
 import sys
@@ -13,13 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from hub_cache import add_to_hub_cache  # noqa: E402
 
-from pdserve.workers import hub  # noqa: E402
+from pdserve.workers.loading import hub  # noqa: E402
 from pdserve.workers.config import EngineConfig  # noqa: E402
-from pdserve.workers.hub import (ModelResolveError, UnsupportedOption,  # noqa: E402
+from pdserve.workers.loading.hub import (ModelResolveError, UnsupportedOption,  # noqa: E402
                                  check_supported_options, is_repo_id, resolve_model)
-from pdserve.workers.loader import (ModelLoadError, check_memory, checkpoint_bytes,  # noqa: E402
+from pdserve.workers.loading.loader import (ModelLoadError, check_memory, checkpoint_bytes,  # noqa: E402
                                     load_config, resolve_dtype)
-from pdserve.workers.tiny_model import make_tiny_model  # noqa: E402
+from pdserve.workers.loading.tiny_model import make_tiny_model  # noqa: E402
 
 GiB = 2**30
 
@@ -80,7 +80,7 @@ def test_a_missing_model_names_the_id_the_cache_and_the_offline_switch(offline_c
     assert str(err.value) == (f"model 'org/missing' is not in the Hugging Face cache at {cache} and "
                               "HF_HUB_OFFLINE=1 forbids downloading it (nor is it a local directory)")
     # The loader says the same, as its own error type.
-    from pdserve.workers.loader import load_model
+    from pdserve.workers.loading.loader import load_model
 
     with pytest.raises(ModelLoadError, match="'org/missing' is not in the Hugging Face cache"):
         load_model("org/missing")
@@ -234,7 +234,7 @@ def test_weights_and_kv_that_do_not_fit_fail_with_the_numbers():
 def test_the_kv_bytes_checked_are_the_pool_the_engine_allocates(tiny):
     """One memory plan sizes the pool and checks it: the blocks it checks are the blocks the
     engine allocates (its scratch block included)."""
-    from pdserve.workers.memory import plan_memory
+    from pdserve.workers.loading.memory import plan_memory
     from pdserve.transport.kv_pool import KVPool
 
     mcfg = load_config(tiny)
@@ -258,7 +258,7 @@ def test_the_engine_refuses_before_reading_a_weight(tiny, monkeypatch):
     """LLM(...) with a budget too small for the weights: the error comes from the headers, and
     no tensor is read."""
     from pdserve import LLM
-    from pdserve.workers import loader
+    from pdserve.workers.loading import loader
 
     monkeypatch.setattr(loader, "memory_budget", lambda device: (1000, "cpu (a test's budget)"))
     monkeypatch.setattr(loader, "_iter_tensors",

@@ -78,7 +78,7 @@ def test_scatter_converts_dtype_and_rejects_bad_input() -> None:
 
 
 def test_bytes_per_block() -> None:
-    """Pool sizing from a memory budget is workers/memory.py's (plan_memory, tested in
+    """Pool sizing from a memory budget is workers/loading/memory.py's (plan_memory, tested in
     test_hub.py); the pool only states what one block takes."""
     per_block = KVPool.bytes_per_block_for(4, 16, 2, 32, torch.float16)
     assert per_block == 4 * 2 * 16 * 2 * 32 * 2

@@ -92,3 +92,32 @@ def test_the_checker_sees_lazy_relative_and_type_only_imports(tmp_path):
         "pdserve.transport.probe:5 imports pdserve.cluster.metrics (cluster, above transport)",
         "pdserve.transport.probe:6 imports pdserve.workers.engine (workers, above transport)",
     ]
+
+
+# Inside workers/, the floors of one worker: its shared config, the model code, loading a model,
+# the model runner (a step plan's forward and sampling), the engine core (requests, schedulers,
+# KV manager, outputs, KV connector) and the process shells (host, channels, Ray and RPC actors).
+WORKER_FLOORS = ("config", "model", "loading", "runner", "engine", "process")
+
+
+def worker_floor_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "workers"] or len(parts) < 3:
+        raise AssertionError(f"{module} is not under workers/")
+    if parts[2] not in WORKER_FLOORS:
+        raise AssertionError(f"{module} is on no floor of workers/: give it one here and in "
+                             "docs/design.md")
+    return parts[2]
+
+
+def test_workers_floors_point_down():
+    imports = read_package()
+    wrong = []
+    modules = [m for m in imports if m.startswith("pdserve.workers.")]
+    assert {worker_floor_of(m) for m in modules} == set(WORKER_FLOORS)
+    for module in sorted(modules):
+        mine = WORKER_FLOORS.index(worker_floor_of(module))
+        for line, target in sorted(imports[module].modules):
+            if target.startswith("pdserve.workers.") and WORKER_FLOORS.index(worker_floor_of(target)) > mine:
+                wrong.append(f"{module}:{line} imports {target} (above {worker_floor_of(module)})")
+    assert not wrong, "\n".join(wrong)

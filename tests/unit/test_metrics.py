@@ -14,7 +14,7 @@ from pdserve.cluster import metric_specs as MS
 from pdserve.cluster import metrics as M
 from pdserve.scheduler import KVCacheManager, LlmRequest, LlmRequestState
 from pdserve.transport.sessions import TransferLog, TransferRecord
-from pdserve.workers.engine_state import EngineStats
+from pdserve.workers.engine.state import EngineStats
 
 S = LlmRequestState
 

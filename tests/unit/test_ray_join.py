@@ -155,7 +155,7 @@ def test_yaml_resources_are_checked_too():
 
 def test_builtin_model_is_the_same_wherever_it_is_written(tmp_path):
     """A worker on a node without the launching node's copy writes its own: the same bytes."""
-    from pdserve.workers.tiny_model import write_builtin_model
+    from pdserve.workers.loading.tiny_model import write_builtin_model
 
     a, b = write_builtin_model(tmp_path / "a" / "m"), write_builtin_model(tmp_path / "b" / "m")
     files = sorted(p.name for p in a.iterdir())

@@ -1,6 +1,6 @@
 """EngineConfig.small_step_threads: decode-sized steps run on fewer torch threads than prefill
 chunks, switched per step by the executor; None leaves every step on the process's count; "auto"
-measures the count per step size (workers/step_threads.py, tested here as pure logic too)."""
+measures the count per step size (workers/runner/step_threads.py, tested here as pure logic too)."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +8,9 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.loader import load_model
-from pdserve.workers.step_threads import StepThreads, bucket, candidates
-from pdserve.workers.tiny_model import make_tiny_model
+from pdserve.workers.loading.loader import load_model
+from pdserve.workers.runner.step_threads import StepThreads, bucket, candidates
+from pdserve.workers.loading.tiny_model import make_tiny_model
 
 
 @pytest.fixture

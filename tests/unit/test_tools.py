@@ -475,7 +475,7 @@ def render_chat(template, messages, tool_request, add_generation_prompt=True):
 
 @pytest.fixture(scope="module")
 def tiny_template():
-    from pdserve.workers.tiny_model import CHAT_TEMPLATE
+    from pdserve.workers.loading.tiny_model import CHAT_TEMPLATE
 
     return CHAT_TEMPLATE
 
@@ -556,7 +556,7 @@ def test_the_template_renders_tools_and_tool_turns(tiny_template):
 
 def test_the_template_renders_like_transformers_with_tools(tmp_path, tiny_template):
     transformers = pytest.importorskip("transformers")
-    from pdserve.workers.tiny_model import make_tiny_model
+    from pdserve.workers.loading.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny")
     hf = transformers.AutoTokenizer.from_pretrained(str(model))

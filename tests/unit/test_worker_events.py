@@ -1,10 +1,10 @@
-"""workers/events.py: the line a person reads and the record the router gets for each KV
+"""workers/engine/events.py: the line a person reads and the record the router gets for each KV
 transfer, pause and resume."""
 from __future__ import annotations
 
 import logging
 
-from pdserve.workers import events as E
+from pdserve.workers.engine import events as E
 
 
 def test_transfer_task_name_and_lines_carry_what_the_dashboard_shows():

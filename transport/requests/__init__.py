@@ -1,7 +1,7 @@
 """The request channel's protocol: every type that crosses the socket between the router and a
 worker, and the frame codec. PURE (stdlib + msgpack), so the router needs no torch.
 
-The channel (``workers/channel_server.py`` serves it, ``cluster/worker_channel.py`` dials it)
+The channel (``workers/process/channel_server.py`` serves it, ``cluster/worker_channel.py`` dials it)
 is one TCP connection per router and worker, carrying msgpack arrays back to back. Each frame
 is ``[FrameType, fields...]``; a type's fields are its dataclass fields in order, so the
 positional layout is the version: adding, removing or reordering a field means bumping

@@ -13,7 +13,7 @@ At most one guide per request; a second one is an error naming it. Every error i
 ``StructuredOutputError`` (a ``FieldError``, so a ``ValueError``) whose ``field`` is the body
 field's dotted path ("response_format.json_schema.schema"), so a door answers a 400 naming it.
 Whether a schema, regex or grammar actually compiles is the grammar engine's question
-(``pdserve.workers.grammar``); this module only checks shapes. PURE: stdlib only."""
+(``pdserve.workers.engine.grammar``); this module only checks shapes. PURE: stdlib only."""
 from __future__ import annotations
 
 import hashlib

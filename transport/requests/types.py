@@ -247,7 +247,7 @@ class TransferTotals:
 
 @dataclass(frozen=True, slots=True)
 class WorkerEvent:
-    """A transfer (generation side), pause or resume on a worker (``workers/events.py``).
+    """A transfer (generation side), pause or resume on a worker (``workers/engine/events.py``).
     ``request_id`` is the client's id when there is one (how a person knows the request)."""
 
     kind: str  # "transfer" | "pause" | "resume"

@@ -2,7 +2,7 @@
 
 Entry points: ``parse_config(config_json)`` (dispatches to the architecture's parser,
 ``registry.py``), ``build_model(config, dtype=, device=)`` + ``load_weights(...)`` (or
-``pdserve.workers.loader.load_model``), and ``model.forward(input_ids, positions,
+``pdserve.workers.loading.loader.load_model``), and ``model.forward(input_ids, positions,
 seqs: list[SeqBatchInfo], kv_pool)``.
 
 No family module (``llama.py``, ``qwen3.py``, ...) is imported here: the registry imports each

@@ -177,7 +177,7 @@ _EVENT_FIELDS = ("request_id", "worker_id", "ctx_worker_id", "gen_worker_id", "b
 
 
 def event_proto(e: WorkerEvent):
-    """A worker's event (workers/events.py) as a ClusterEvent."""
+    """A worker's event (workers/engine/events.py) as a ClusterEvent."""
     fields = {k: v for k in _EVENT_FIELDS if (v := getattr(e, k)) is not None}
     return pb.ClusterEvent(kind=_EVENT_KINDS.get(e.kind, pb.ClusterEvent.KIND_UNSPECIFIED),
                            time_unix=e.t, **fields)

@@ -16,10 +16,10 @@ from pdserve.scheduler import LlmRequest, LlmRequestState, lifecycle
 from pdserve.scheduler.kv_cache import KVCacheOutOfBlocksError
 from pdserve.transport.requests import UpdateKind, WireUpdate
 
-from .engine_state import RequestTable, TrackedRequest
-from .outputs import OutputProcessor
-from .sampling import RequestSampler
-from .step_plan import SampledToken
+from pdserve.workers.engine.state import RequestTable, TrackedRequest
+from pdserve.workers.engine.outputs import OutputProcessor
+from pdserve.workers.runner.sampling import RequestSampler
+from pdserve.workers.runner.plan import SampledToken
 
 
 class Candidates:

@@ -27,8 +27,8 @@ from pdserve.transport.protocol import (
     KVRequest, PairOpen, TransferDone, decode_message, encode_message,
 )
 
-from . import events
-from .transceiver import ControlMessage, KVTransceiver
+from pdserve.workers.engine import events
+from pdserve.workers.engine.transceiver import ControlMessage, KVTransceiver
 
 log = logging.getLogger("pdserve.worker")
 

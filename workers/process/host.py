@@ -44,9 +44,9 @@ from pdserve.transport.requests import (
     WorkerStatus,
 )
 
-from .config import EngineConfig
-from .engine_core import EngineCore
-from .kv_control import ControlPlane, KVControl
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.core import EngineCore
+from pdserve.workers.process.kv_control import ControlPlane, KVControl
 
 log = logging.getLogger("pdserve.worker")
 

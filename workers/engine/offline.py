@@ -15,11 +15,11 @@ from pdserve.scheduler import LlmRequest
 from pdserve.transport.requests import UpdateKind, WireUpdate
 from pdserve.transport.requests.sampling import bad_words_to_token_ids
 
-from .build import build_executor
-from .config import EngineConfig
-from .hub import check_supported_options
-from .loader import LoadedModel
-from .sampling import SamplingLimits, SamplingParams
+from pdserve.workers.engine.build import build_executor
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.loading.hub import check_supported_options
+from pdserve.workers.loading.loader import LoadedModel
+from pdserve.workers.runner.sampling import SamplingLimits, SamplingParams
 
 Prompt = str | Sequence[int]
 

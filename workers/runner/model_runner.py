@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 import torch
 
 from pdserve.transport.kv_pool import KVPool
-from .model.batch import SeqBatchInfo
-from .sampling import sample, token_logprobs
-from .step_plan import SampledToken, SamplingBatch, StepPlan, StepResult
-from .step_threads import StepThreads
+from pdserve.workers.model.batch import SeqBatchInfo
+from pdserve.workers.runner.sampling import sample, token_logprobs
+from pdserve.workers.runner.plan import SampledToken, SamplingBatch, StepPlan, StepResult
+from pdserve.workers.runner.step_threads import StepThreads
 
 
 class ModelRunner:

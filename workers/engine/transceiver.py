@@ -33,7 +33,7 @@ from pdserve.scheduler import ContextPhaseParams, LlmRequest, LlmRequestState, l
 from pdserve.transport.protocol import encode_message
 from pdserve.transport.sessions import TransferLog
 
-from .events import WorkerEvents, label, transfer_task_name
+from pdserve.workers.engine.events import WorkerEvents, label, transfer_task_name
 
 if TYPE_CHECKING:
     from pdserve.transport.torch_dist import KVReceiver, KVSender

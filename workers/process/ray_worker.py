@@ -28,14 +28,14 @@ from typing import Any, Callable, Iterator
 
 from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
 
-from . import events
-from .channel_server import RequestChannelServer
-from .config import EngineConfig
-from .build import build_worker_executor
-from .host import Faults, WorkerHost
-from .kv_control import KVTransferFailed, PeerGone
-from .names import NAMESPACE, ROUTER_NAME, actor_name
-from .transceiver import ControlMessage
+from pdserve.workers.engine import events
+from pdserve.workers.process.channel_server import RequestChannelServer
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.build import build_worker_executor
+from pdserve.workers.process.host import Faults, WorkerHost
+from pdserve.workers.process.kv_control import KVTransferFailed, PeerGone
+from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME, actor_name
+from pdserve.workers.engine.transceiver import ControlMessage
 
 log = logging.getLogger("pdserve.worker")
 
@@ -100,7 +100,7 @@ class RayWorker:
         import torch
 
         if torch_threads == "auto":  # this node's CPUs shared by the pdserve workers on it
-            from .config import auto_threads
+            from pdserve.workers.config import auto_threads
 
             torch_threads = auto_threads(len(os.sched_getaffinity(0)), workers_on_node)
         if torch_threads:
@@ -113,12 +113,12 @@ class RayWorker:
         self.node_ip = ray.util.get_node_ip_address()
         if builtin_model and not Path(model_dir).is_dir():
             # The launching node wrote the built-in model; another node writes the same here.
-            from .tiny_model import write_builtin_model
+            from pdserve.workers.loading.tiny_model import write_builtin_model
 
             write_builtin_model(model_dir)
         if model_commit is not None and not Path(model_dir).is_dir():
             # A Hub repo id: this node's own cache (or a download), at the launch node's commit.
-            from .hub import ModelResolveError, resolve_model
+            from pdserve.workers.loading.hub import ModelResolveError, resolve_model
 
             try:
                 model_dir = str(resolve_model(model_dir, commit=model_commit).path)

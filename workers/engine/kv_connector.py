@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pdserve.scheduler import ContextPhaseParams, KVCacheManager, LlmRequest
 
-    from .events import WorkerEvents
+    from pdserve.workers.engine.events import WorkerEvents
 
 
 class KVConnector(Protocol):

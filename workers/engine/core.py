@@ -28,16 +28,16 @@ from pdserve.scheduler import (CapacityScheduler, ContextChunkingConfig, KVCache
 from pdserve.scheduler.kv_window import SlidingWindowKVCacheManager
 from pdserve.transport.requests import ErrorKind, WireUpdate
 
-from .admission import AdmissionLimits, check_request
-from .candidates import Candidates
-from .config import EngineConfig
-from .engine_state import EngineStats, RequestTable, TrackedRequest, status_snapshot
-from .events import WorkerEvents, label
-from .kv_connector import KVConnector, NoKVConnector
-from .model_runner import ModelRunner
-from .outputs import OutputProcessor, note_prompt_logprobs
-from .sampling import RequestSampler, SamplingParams
-from .step_plan import SampledToken, SamplingBatch, ScheduledSequence, StepPlan
+from pdserve.workers.engine.admission import AdmissionLimits, check_request
+from pdserve.workers.engine.candidates import Candidates
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.state import EngineStats, RequestTable, TrackedRequest, status_snapshot
+from pdserve.workers.engine.events import WorkerEvents, label
+from pdserve.workers.engine.kv_connector import KVConnector, NoKVConnector
+from pdserve.workers.runner.model_runner import ModelRunner
+from pdserve.workers.engine.outputs import OutputProcessor, note_prompt_logprobs
+from pdserve.workers.runner.sampling import RequestSampler, SamplingParams
+from pdserve.workers.runner.plan import SampledToken, SamplingBatch, ScheduledSequence, StepPlan
 
 log = logging.getLogger("pdserve.engine_core")
 S = LlmRequestState

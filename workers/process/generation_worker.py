@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ray
 
-from .ray_worker import RayWorker
+from pdserve.workers.process.ray_worker import RayWorker
 
 CONCURRENCY_GROUPS = {"control": 8}
 

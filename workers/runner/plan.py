@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence
 from pdserve.transport.requests.types import TokenLogprobs
 
 if TYPE_CHECKING:
-    from .sampling import RequestSampler
+    from pdserve.workers.runner.sampling import RequestSampler
 
 
 @dataclass(frozen=True, slots=True)

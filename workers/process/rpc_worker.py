@@ -3,7 +3,7 @@
 blocks other calls). The Ray actors are the production wrapper; this one lets the disaggregated
 lifecycle be driven and faulted with real processes (kill -9 mid-transfer) in tests.
 
-    python -m pdserve.workers.rpc_worker --role context --worker-id ctx-0 --model DIR \\
+    python -m pdserve.workers.process.rpc_worker --role context --worker-id ctx-0 --model DIR \\
         --engine '{"tokens_per_block": 4}' [--peers '{"ctx-0": "127.0.0.1:PORT"}']
 
 prints one JSON line ``{"address": "127.0.0.1:PORT"}`` when it is ready.
@@ -21,10 +21,10 @@ from typing import Any
 
 from pdserve.transport.requests import WireRequest, WireUpdate
 
-from .config import EngineConfig
-from .build import build_worker_executor
-from .host import Faults, RequestStream, WorkerHost
-from .transceiver import ControlMessage
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.build import build_worker_executor
+from pdserve.workers.process.host import Faults, RequestStream, WorkerHost
+from pdserve.workers.engine.transceiver import ControlMessage
 
 AUTHKEY = b"pdserve-rpc-worker"
 CALL_TIMEOUT_S = 60.0
@@ -153,7 +153,7 @@ def build_host(args: argparse.Namespace, peers: dict[str, str]) -> WorkerHost:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.workers.rpc_worker")
+    parser = argparse.ArgumentParser(prog="python -m pdserve.workers.process.rpc_worker")
     parser.add_argument("--role", choices=sorted(ROLES), required=True)
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--model", required=True)

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.loader import check_memory, checkpoint_bytes
+from pdserve.workers.loading.loader import check_memory, checkpoint_bytes
 from pdserve.workers.model import ModelConfig
 
 # Default pool when neither num_kv_blocks nor kv_cache_memory_bytes is given: room for a full

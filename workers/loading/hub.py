@@ -135,7 +135,7 @@ def _same_model(tokenizer: str | os.PathLike, model: str | os.PathLike | None) -
 
 def _architectures() -> str:
     try:
-        from .model.registry import ARCHITECTURES
+        from pdserve.workers.model.registry import ARCHITECTURES
 
         return ", ".join(sorted(ARCHITECTURES))
     except Exception:  # the message must not fail for want of the list

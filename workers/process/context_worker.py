@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from .ray_worker import RayWorker
+from pdserve.workers.process.ray_worker import RayWorker
 
 # Requests arrive over the request channel, not as Ray calls; a direct caller's streaming
 # generate() holds a default-group thread for the request's lifetime, so that group is wide.

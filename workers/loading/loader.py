@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from .hub import ModelResolveError, check_supported_options, resolve_model
-from .model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model, parse_config
+from pdserve.workers.loading.hub import ModelResolveError, check_supported_options, resolve_model
+from pdserve.workers.model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model, parse_config
 
 SINGLE_WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"

@@ -13,8 +13,8 @@ from typing import Collection
 from pdserve.scheduler import LlmRequest, LlmRequestState, lifecycle
 from pdserve.transport.requests import TokenLogprobs, UpdateInfo, WireUpdate
 
-from .engine_state import EngineStats, RequestTable, TrackedRequest
-from .kv_connector import KVConnector
+from pdserve.workers.engine.state import EngineStats, RequestTable, TrackedRequest
+from pdserve.workers.engine.kv_connector import KVConnector
 
 
 def stop_reason(token: int, *, eos_token_ids: Collection[int], ignore_eos: bool,

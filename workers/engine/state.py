@@ -12,7 +12,7 @@ from typing import Callable
 from pdserve.scheduler import LlmRequest, LlmRequestState, lifecycle
 from pdserve.scheduler.reorder import insert_request_in_order
 
-from .sampling import RequestSampler, SamplingParams
+from pdserve.workers.runner.sampling import RequestSampler, SamplingParams
 
 
 @dataclass(slots=True)

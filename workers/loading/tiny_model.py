@@ -3,7 +3,7 @@
 
 The directory holds config.json, model.safetensors (fp32, N(0, 0.02) init, norms at 1,
 deterministic from the seed), generation_config.json and a byte-level tokenizer.json. It loads
-through ``pdserve.workers.loader`` and through transformers' AutoModelForCausalLM alike. Each
+through ``pdserve.workers.loading.loader`` and through transformers' AutoModelForCausalLM alike. Each
 family's extra config keys come from its entry in ``workers/model/registry.py``; the tensors are
 the ones its pdserve model loads (``weight_targets``), so writer and loader cannot disagree.
 
@@ -68,7 +68,7 @@ CHAT_TEMPLATE = (
 )
 
 def _architectures() -> dict[str, Any]:
-    from .model.registry import BY_MODEL_TYPE
+    from pdserve.workers.model.registry import BY_MODEL_TYPE
 
     return dict(BY_MODEL_TYPE)
 
@@ -144,7 +144,7 @@ def _random_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     the 1 + w norms of Gemma), everything else N(0, 0.02), drawn from the seed in the model's
     own order with the LM head last (for Llama the order the first writer used, so the
     built-in model keeps its weights)."""
-    from .model import build_model, parse_config
+    from pdserve.workers.model import build_model, parse_config
 
     config = parse_config(cfg)
     with torch.device("meta"):

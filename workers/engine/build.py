@@ -11,13 +11,13 @@ import torch
 
 from pdserve.transport.kv_pool import KVPool
 
-from .config import EngineConfig
-from .engine_core import EngineCore
-from .loader import LoadedModel, load_config, load_model, resolve_dtype, resolve_model_dir, stored_dtype
-from .memory import plan_memory
-from .model import ModelConfig
-from .model_runner import ModelRunner
-from .transceiver import KVTransceiver
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.core import EngineCore
+from pdserve.workers.loading.loader import LoadedModel, load_config, load_model, resolve_dtype, resolve_model_dir, stored_dtype
+from pdserve.workers.loading.memory import plan_memory
+from pdserve.workers.model import ModelConfig
+from pdserve.workers.runner.model_runner import ModelRunner
+from pdserve.workers.engine.transceiver import KVTransceiver
 
 log = logging.getLogger("pdserve.engine")
 
@@ -150,7 +150,7 @@ class _LazyGrammar:
 
     def _get(self):
         if self._compiler is None:
-            from .grammar import GrammarCompiler
+            from pdserve.workers.engine.grammar import GrammarCompiler
 
             # Compact JSON: flexible whitespace lets a weak (or random-weight) model wander in
             # blanks until max_tokens; the values and keys are the model's either way.

@@ -1,0 +1,1 @@
+"""The engine core: requests, schedulers, KV manager, outputs, and the KV connector."""

@@ -1,0 +1,1 @@
+"""The model runner: the forward and sampling of one step plan."""
