@@ -20,7 +20,7 @@ from pdserve.bench.workload import WorkItem
 # ---------------------------------------------------------------------------- step timing
 
 class _ShapeCapture:
-    """Wraps the executor's scheduler and keeps the batch of the latest step (reuse is off in
+    """Wraps the engine core's scheduler and keeps the batch of the latest step (reuse is off in
     the calibration engine, so positions at scheduling time are the computed ones)."""
 
     def __init__(self, scheduler) -> None:
@@ -49,8 +49,8 @@ def measure_steps(model_dir: str | Path, engine: dict[str, Any], *, repeats: int
 
     torch.set_num_threads(1)  # the worker actors run one torch thread each (LaunchConfig)
     llm = LLMEngine(model_dir, **{**engine, "enable_block_reuse": False})
-    capture = _ShapeCapture(llm.executor.scheduler)
-    llm.executor.scheduler = capture
+    capture = _ShapeCapture(llm.core.scheduler)
+    llm.core.scheduler = capture
     rng = random.Random(seed)
     vocab = llm.loaded.config.vocab_size
     max_prompt = min(512, engine.get("max_num_tokens", 512))

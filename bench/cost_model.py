@@ -1,4 +1,4 @@
-"""Roofline step-time model for sizing: FLOPs and bytes of one executor step for a model shape,
+"""Roofline step-time model for sizing: FLOPs and bytes of one core step for a model shape,
 on a hardware preset (H100, H200, A100) or on hardware calibrated from measured steps.
 
 One step is a flat batch of sequences, each with ``new_tokens`` computed on top of ``past_len``

@@ -4,7 +4,7 @@ model says how long each step takes.
 Every simulated worker is a ``pdserve.scheduler.sim_worker.SimulatedWorker``: the real
 ``SimpleScheduler`` (capacity pass with GUARANTEED_NO_EVICT / MAX_UTILIZATION / STATIC_BATCH,
 micro-batch pass with context chunking), the real ``KVCacheManager`` (prefix reuse, scheduling
-counters) and the lifecycle functions the executor runs (pause-and-recompute, disaggregated
+counters) and the lifecycle functions the engine core runs (pause-and-recompute, disaggregated
 reservation, chunk advance). This module only adds time:
 
 - a step starts when its worker is free and has work; its decisions are made at the start and

@@ -59,7 +59,7 @@ class WorkerSpec:
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], *, max_seq_len: int, num_kv_blocks: int) -> WorkerSpec:
-        """The spec of a worker built from engine kwargs, with the executor's defaults
+        """The spec of a worker built from engine kwargs, with the engine core's defaults
         (``max_seq_len``: the model's, unless the engine sets one)."""
         base = cls()
         chunking = engine.get("context_chunking_policy", None)

@@ -74,7 +74,7 @@ class SimWorker(SimulatedWorker):
         self.incoming_tokens = 0
         self.record_arrivals = record_decisions
         # Before each step: the requests that arrived since the previous one, as
-        # (request id, prompt, max_new_tokens, type) -- enough to replay them into an executor.
+        # (request id, prompt, max_new_tokens, type) -- enough to replay them into an engine core.
         self.arrival_log: list[list[tuple[int, list[int], int, LlmRequestType]]] = []
         self._arrived: list[tuple[int, list[int], int, LlmRequestType]] = []
 

@@ -1,7 +1,7 @@
 """What making transfers and pauses visible costs a worker's step loop.
 
 A pause-heavy workload (MAX_UTILIZATION, a KV pool that holds a fraction of the batch) runs
-through the real executor with the built-in tiny model. The executor's ``WorkerEvents`` is
+through the real core with the built-in tiny model. The engine core's ``WorkerEvents`` is
 replaced by one that times each of its calls (the log line to a file, as a worker actor writes
 to its stderr, plus the record for the router), and once per 0.5 s of work the worker's
 heartbeat status is built (``host.worker_status``) and encoded as the request channel does; after
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.workers.config import EngineConfig
     from pdserve.scheduler.kv_events import KVEventLog
     from pdserve.transport.requests import Heartbeat, KvEvents, encode_frame
-    from pdserve.workers.engine.build import build_executor
+    from pdserve.workers.engine.build import build_engine_core
     from pdserve.workers.process.host import worker_status
     from pdserve.workers.runner.sampling import SamplingParams
     from pdserve.scheduler import LlmRequest
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_block=16, max_batch_size=32, max_num_tokens=1024, num_kv_blocks=48,
         capacity_scheduler_policy="MAX_UTILIZATION",
         context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=64))
-    _, executor = build_executor(builtin_model_dir(), config)
-    executor.events = TimedEvents("gen-0")
+    _, core = build_engine_core(builtin_model_dir(), config)
+    core.events = TimedEvents("gen-0")
 
     class TimedKVEventLog(KVEventLog):
         """The prefix cache's KV events, each report timed (a tuple and a list append)."""
@@ -100,22 +100,22 @@ def main(argv: list[str] | None = None) -> int:
             self.calls += 1
 
     kv_log = TimedKVEventLog()
-    executor.kv.use_event_log(kv_log)
+    core.kv.use_event_log(kv_log)
 
     rows = load_trace("azure_llm_2023_conv.csv", args.requests)
     scale = fit_scale(rows, 160, args.max_tokens)
     for i, row in enumerate(rows):
         request = LlmRequest(i + 1, synth_prompt(row, i, scale, vocab=(3, 259)), args.max_tokens,
                              client_id=f"bench-{i}")
-        executor.add_request(request, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+        core.add_request(request, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                      ignore_eos=True))
 
     steps, step_seconds, status_seconds, statuses = 0, 0.0, 0.0, 0
     kv_batches, kv_blocks, kv_send_seconds = 0, 0, 0.0
     next_status = time.monotonic()
-    while executor.has_work:
+    while core.has_work:
         t0 = time.perf_counter()
-        executor.step()
+        core.step()
         step_seconds += time.perf_counter() - t0
         steps += 1
         t0 = time.perf_counter()  # what the channel server does after each step
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() >= next_status:  # the heartbeat's share, every 0.5 s of work
             next_status = time.monotonic() + 0.5
             t0 = time.perf_counter()
-            status = worker_status(executor, "gen-0", "generation", config, incarnation=1,
+            status = worker_status(core, "gen-0", "generation", config, incarnation=1,
                                    healthy=True, drain_events=True)
             encode_frame(Heartbeat(status))
             status_seconds += time.perf_counter() - t0
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     sink.close()
     os.unlink(sink.name)
 
-    ev: TimedEvents = executor.events
+    ev: TimedEvents = core.events
     events = sum(ev.calls.values())
     event_seconds = sum(ev.seconds.values())
     mean_step = step_seconds / max(1, steps)

@@ -96,7 +96,7 @@ def run_mode(kv_link: bool, requests: int, concurrency: int, seed: int) -> dict:
             out["concurrent_first_byte_ms"] = pairs["first_byte_ms"][before:]
         if kv_link:
             folded = ray.get(cl.workers["ctx-0"].__ray_call__.remote(
-                lambda self: self.host.executor.transceiver.sender.folded), timeout=RAY_TIMEOUT_S)
+                lambda self: self.host.core.transceiver.sender.folded), timeout=RAY_TIMEOUT_S)
             out["ctx_folded_second_copies"] = folded
         return out
     finally:

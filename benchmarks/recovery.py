@@ -39,7 +39,7 @@ it" means the response names it as ``ctx_worker`` (its prefill), for a generatio
 Then ``--init-reps`` throwaway actors per role (the workers' runtime_env, outside the placement
 group), each a fresh process, time what a worker's ``__init__`` consists of: imports (torch,
 pdserve's worker modules, torch.distributed), model load, KV pool, transport setup (TCPStore /
-receiver), executor, metrics, host and request channel. A real ``ContextWorker`` actor is also
+receiver), core, metrics, host and request channel. A real ``ContextWorker`` actor is also
 cold-started with and without that runtime_env (submission to ``info()`` answering).
 
 Run: ``.venv/bin/python benchmarks/recovery.py [--reps 3] [--json out.json]``. Conditions to compare:
@@ -414,7 +414,7 @@ def _init_probe_class():
             # What unpickling the actor class does in a restarted worker.
             importlib.import_module("pdserve.workers.process.context_worker")
             importlib.import_module("pdserve.workers.process.generation_worker")
-            lap("import pdserve.workers (+ray_worker, engine, executor)")
+            lap("import pdserve.workers (+ray_worker, engine, core)")
             from pdserve.cluster.metrics import WorkerMetrics
             lap("import pdserve.cluster.metrics (the metrics arg)")
             from pdserve.transport.torch_dist import KVReceiver, KVSender, TransportConfig
@@ -454,14 +454,14 @@ def _init_probe_class():
             transceiver = KVTransceiver(worker_id, sender=sender, receiver=receiver,
                                         lease_s=30.0, transfer_timeout_s=30.0)
             lap("transport (TCPStore / receiver) + transceiver")
-            executor = EngineCore(ModelRunner(loaded.model, pool), config,
+            core = EngineCore(ModelRunner(loaded.model, pool), config,
                                   eos_token_ids=loaded.eos_token_ids, vocab_size=mcfg.vocab_size,
                                   max_seq_len=config.max_seq_len or mcfg.max_position_embeddings,
                                   transceiver=transceiver)
-            lap("executor")
+            lap("core")
             metrics = WorkerMetrics(role, actor_name(worker_id))
             lap("WorkerMetrics")
-            host = WorkerHost(executor, worker_id=worker_id, role=role, config=config,
+            host = WorkerHost(core, worker_id=worker_id, role=role, config=config,
                               control=RayControlPlane(30.0),
                               metrics=metrics, faults=Faults())
             channel = RequestChannelServer(host, host_address=ray.util.get_node_ip_address())

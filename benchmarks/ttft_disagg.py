@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                 res[key].append(_one(client, prompt(), f"r{i}-{key}", how))
                     if mode == "layerwise":
                         overlapped = ray.get(cl.workers["ctx-0"].__ray_call__.remote(
-                            lambda self: self.host.executor.transceiver.sender.overlapped),
+                            lambda self: self.host.core.transceiver.sender.overlapped),
                             timeout=60)
                 finally:
                     cl.shutdown()

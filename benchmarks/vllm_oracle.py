@@ -10,7 +10,7 @@ docs/benchmarks.md, "Peer virtualenvs"), and asks both servers' engines the same
 - the top-5 logprobs of every generated token: the same ids, values within --tolerance;
 - prompt logprobs (the echo / loglikelihood path): within --tolerance.
 
-pdserve answers through its offline ``LLM`` (the same executor and sampler its workers run); vLLM
+pdserve answers through its offline ``LLM`` (the same core and sampler its workers run); vLLM
 through ``/v1/completions`` with token-id prompts and ``return_tokens_as_token_ids``. Prints one
 row per case and exits 1 on any disagreement.
 

@@ -9,14 +9,14 @@ interval and ~20 s at the default 10 s, then vanished, while counters and histog
 stay. So a worker that went idle, whose gauges were only set after steps, lost its KV and
 request gauges from Prometheus a few seconds after the load stopped. Hence the timers:
 
-- ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(executor)`` after every
-  executor step and ``tick(executor)`` every turn of the ``WorkerHost`` loop (at least every
+- ``WorkerMetrics(role, worker)``: a worker actor calls ``observe(core)`` after every
+  core step and ``tick(core)`` every turn of the ``WorkerHost`` loop (at least every
   ``idle_wait_s``, idle included). Counters and
-  histograms come from the deltas of the executor's cumulative ``EngineStats`` and of the
+  histograms come from the deltas of the engine core's cumulative ``EngineStats`` and of the
   transport's ``TransferLog`` (the transceiver's ``transfers``); gauges (requests per state, KV
   blocks) are set again, changed or not, whenever ``gauge_interval_s`` (0.5 s) has passed,
-  from ``observe`` or ``tick``, and always after the step that leaves the executor idle
-  (``not executor.has_work``); ``force=True`` sets them at once. A tick that is not due costs
+  from ``observe`` or ``tick``, and always after the step that leaves the engine core idle
+  (``not core.has_work``); ``force=True`` sets them at once. A tick that is not due costs
   one clock read. While a step is stuck the ticks stop, and so, after 2 report intervals, do
   the worker's gauges.
 - ``RouterMetrics()``: the router calls one method per event (queue change, first token,
@@ -195,13 +195,13 @@ class WorkerGauges(NamedTuple):
     quarantined_blocks: int
 
 
-def gauges_from_executor(executor: EngineCore) -> WorkerGauges:
+def gauges_from_core(core: EngineCore) -> WorkerGauges:
     """The gauge values without ``EngineCore.status()``'s invariant checks and transfer summary."""
-    t = executor.transceiver
+    t = core.transceiver
     handed_over = (t.transmitting, t.draining) if t is not None else ()
     by_state = lifecycle.count_by_state(
-        lifecycle.live_requests(executor.active, executor.waiting, *handed_over).values())
-    kv = executor.kv
+        lifecycle.live_requests(core.active, core.waiting, *handed_over).values())
+    kv = core.kv
     free = kv.get_num_free_blocks()
     return WorkerGauges(by_state, kv.num_blocks - free, free, kv.num_blocks,
                         t.num_quarantined_blocks if t is not None else 0)
@@ -227,7 +227,7 @@ _ZERO = _Counters(0, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0)
 
 
 class WorkerMetrics(_Recorder):
-    """Records one worker's metrics. Not thread-safe: call from the executor's loop thread."""
+    """Records one worker's metrics. Not thread-safe: call from the engine core's loop thread."""
 
     def __init__(
         self,
@@ -247,27 +247,27 @@ class WorkerMetrics(_Recorder):
         # first refresh (a burst shorter than one refresh interval would otherwise leave none).
         self._states_reported: set[str] = set(_STATE_NAMES)
 
-    def observe(self, executor: EngineCore, *, force: bool = False) -> None:
-        """After each step: counter/histogram deltas always; gauges when due, when the executor
+    def observe(self, core: EngineCore, *, force: bool = False) -> None:
+        """After each step: counter/histogram deltas always; gauges when due, when the engine core
         has no work left, or with ``force``."""
-        t = executor.transceiver
-        self.observe_stats(executor.stats, t.transfers if t is not None else None)
-        # The step that leaves the executor idle always refreshes (its values changed).
-        self.tick(executor, force=force or not executor.has_work)
+        t = core.transceiver
+        self.observe_stats(core.stats, t.transfers if t is not None else None)
+        # The step that leaves the engine core idle always refreshes (its values changed).
+        self.tick(core, force=force or not core.has_work)
 
-    def tick(self, executor: EngineCore, *, force: bool = False) -> None:
+    def tick(self, core: EngineCore, *, force: bool = False) -> None:
         """Every loop turn, idle included (from the WorkerHost loop): set every gauge again when
         ``gauge_interval_s`` has passed, so Ray keeps exporting them (see the module docstring).
         Not due: one clock read."""
         now = self._clock()
         if force or now >= self._next_gauges_at:
             self._next_gauges_at = now + self.gauge_interval_s
-            self.observe_gauges(gauges_from_executor(executor))
+            self.observe_gauges(gauges_from_core(core))
 
     def observe_stats(self, stats: EngineStats, transfer_stats: TransferLog | None = None) -> None:
         """Record what the cumulative counters gained since the previous call. Several steps
         since the previous call are recorded as one step of their average (call once per step
-        for exact histograms). A counter that went backwards (a new executor) restarts from 0."""
+        for exact histograms). A counter that went backwards (a new core) restarts from 0."""
         ts = transfer_stats
         cur = _Counters(
             stats.steps, stats.schedule_seconds, stats.forward_seconds, stats.context_tokens,

@@ -130,7 +130,7 @@ def check_engine_parity(hf: Any, model_dir: Path, batch: list[list[int]] | None 
     assert [o.token_ids for o in first] == [expected[4]]
     outs = llm.generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == expected, "chunked prefill with prefix reuse"
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     reused = kv.num_reused_blocks
     assert reused > 0, "the shared prefix was meant to be reused"
     assert kv.get_num_free_blocks() == kv.num_blocks
@@ -145,7 +145,7 @@ def check_engine_parity(hf: Any, model_dir: Path, batch: list[list[int]] | None 
     outs = paused.generate(pause_batch, GREEDY)
     assert [o.token_ids for o in outs] == reference(hf, pause_batch), "after pause and recompute"
     assert paused.stats.pauses > 0, "the pool was meant to be small enough to force pauses"
-    kv = paused.engine.executor.kv
+    kv = paused.engine.core.kv
     assert kv.get_num_free_blocks() == kv.num_blocks
     return {"reused_blocks": reused, "pauses": paused.stats.pauses, "chunk_steps": steps}
 

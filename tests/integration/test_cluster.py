@@ -153,7 +153,7 @@ def test_1p1d_matches_engine_and_pauses_under_a_small_generation_pool(cluster, m
     assert pair["link"] is True and len(pair["first_byte_ms"]) >= len(prompts)
     def folded():  # the last Ray copies may still be on their way
         return ray.get(cl.workers["ctx-0"].__ray_call__.remote(
-            lambda self: self.host.executor.transceiver.sender.folded), timeout=60)
+            lambda self: self.host.core.transceiver.sender.folded), timeout=60)
 
     end = time.monotonic() + 30
     while folded() < len(prompts) and time.monotonic() < end:

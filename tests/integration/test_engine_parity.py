@@ -104,19 +104,19 @@ def test_greedy_matches_transformers(model, name):
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == _reference(hf, prompts)
     assert all(o.finish_reason == "length" for o in outs)
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert kv.get_num_free_blocks() == kv.num_blocks
     if name == "max_utilization_pauses":
         assert llm.stats.pauses > 0, "the pool was meant to be small enough to force pauses"
         # Each pause has its event and, since every request finished, a resume after it.
-        events = llm.engine.executor.events.drain()
+        events = llm.engine.core.events.drain()
         pauses = [e for e in events if e.kind == "pause"]
         resumes = [e for e in events if e.kind == "resume"]
         assert len(pauses) == len(resumes) == llm.stats.pauses
         assert all(e.policy == "MAX_UTILIZATION" and e.blocks_freed > 0 for e in pauses)
         assert ({(e.request_id, e.pause_index) for e in pauses}
                 == {(e.request_id, e.pause_index) for e in resumes})
-        assert not llm.engine.executor.paused_since
+        assert not llm.engine.core.paused_since
     if name.endswith("chunks") or name == "force_chunk":
         assert llm.stats.steps > len(prompts) + MAX_NEW - 1  # prompts really were split
 
@@ -128,7 +128,7 @@ def test_block_reuse_with_shared_prefixes(model):
               context_chunking_policy="FIRST_COME_FIRST_SERVED", chunk_unit_size=8, max_num_tokens=32)
     first = llm.generate(prompts[:1], GREEDY)
     rest = llm.generate(prompts[1:], GREEDY)
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert kv.num_reused_blocks > 0
     assert [o.token_ids for o in first + rest] == _reference(hf, prompts)
     assert kv.get_num_free_blocks() == kv.num_blocks
@@ -170,7 +170,7 @@ def test_abort_frees_every_block(model):
     rids = [engine.add_request(p, GREEDY) for p in _prompts(seed=7)]
     for _ in range(3):
         engine.step()
-    kv = engine.executor.kv
+    kv = engine.core.kv
     assert kv.get_num_free_blocks() < kv.num_blocks
     for rid in rids:
         assert engine.abort(rid)
@@ -195,7 +195,7 @@ def test_streaming_deltas_add_up_and_early_close_aborts(model):
     stream = llm.generate_stream(prompts, GREEDY)
     next(stream)
     stream.close()  # the consumer went away: everything it started is aborted
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert not llm.engine.has_unfinished and kv.get_num_free_blocks() == kv.num_blocks
 
 
@@ -223,7 +223,7 @@ def test_bad_requests_are_rejected_with_the_field_named(model):
         SamplingParams(temperature=-1.0)
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(path, max_batch=3)
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert kv.get_num_free_blocks() == kv.num_blocks and not llm.engine.has_unfinished
 
 
@@ -242,4 +242,4 @@ def test_max_seq_len_past_the_models_positions_is_refused(model):
     _, path = model  # max_position_embeddings 256
     with pytest.raises(ValueError, match=r"max_seq_len \(300\) is greater than the model's max_position_embeddings \(256"):
         LLM(path, tokens_per_block=4, num_kv_blocks=16, max_seq_len=300)
-    assert LLM(path, tokens_per_block=4, num_kv_blocks=16, max_seq_len=256).engine.executor.max_seq_len == 256
+    assert LLM(path, tokens_per_block=4, num_kv_blocks=16, max_seq_len=256).engine.core.max_seq_len == 256

@@ -31,7 +31,7 @@ def _batch(n: int, seed: int) -> list[list[int]]:
 
 def _sender(cl, ctx_id: str, attr: str) -> int:
     return ray.get(cl.workers[ctx_id].__ray_call__.remote(
-        lambda self: getattr(self.host.executor.transceiver.sender, attr)), timeout=U.RAY_TIMEOUT_S)
+        lambda self: getattr(self.host.core.transceiver.sender, attr)), timeout=U.RAY_TIMEOUT_S)
 
 
 def _ok(results: list[U.Result]) -> None:
@@ -107,8 +107,8 @@ def test_a_cancel_mid_stream_leaves_nothing_held(clusters, model_dir):
 
     def ctx_side() -> tuple:  # read off the step loop, which the hold keeps busy
         return ray.get(ctx.__ray_call__.remote(lambda self: (
-            self.host.executor.transceiver.sender.sessions.num_active,
-            self.host.executor.kv.get_num_free_blocks(), self.host.executor.kv.num_blocks)),
+            self.host.core.transceiver.sender.sessions.num_active,
+            self.host.core.kv.get_num_free_blocks(), self.host.core.kv.num_blocks)),
             timeout=U.RAY_TIMEOUT_S)
 
     async def go():

@@ -100,7 +100,7 @@ def peers() -> Iterator[Peers]:
 
 
 def _check_bytes(peers: Peers, dtype: str, sent: tuple, got: tuple, done: dict, n: int) -> None:
-    """Every byte count a transfer reports is the latent's: the results the executor turns into
+    """Every byte count a transfer reports is the latent's: the results the engine core turns into
     the dashboard's transfer event, the done answer the context side logs, and the records the
     worker's status sums."""
     want = latent_bytes(n, dtype)

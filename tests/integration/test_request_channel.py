@@ -29,7 +29,7 @@ from pdserve.transport.requests import (
 )
 from pdserve.workers.process.channel_server import RequestChannelServer
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.engine.build import build_executor
+from pdserve.workers.engine.build import build_engine_core
 from pdserve.workers.process.host import WorkerHost
 from pdserve.workers.loading.tiny_model import make_tiny_model
 
@@ -52,8 +52,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture()
 def host(model_dir):
     config = EngineConfig.from_kwargs(ENGINE)
-    _, executor = build_executor(str(model_dir), config)
-    host = WorkerHost(executor, worker_id="chan-test", role="both", config=config)
+    _, core = build_engine_core(str(model_dir), config)
+    host = WorkerHost(core, worker_id="chan-test", role="both", config=config)
     yield host
     host.stop()
 
@@ -100,7 +100,7 @@ def _drained(host: WorkerHost) -> dict:
     """Polls until the worker holds no request and every block is free again."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        status = host.executor.status() if not host.alive else host.call(host.status_map)
+        status = host.core.status() if not host.alive else host.call(host.status_map)
         if status["num_active"] == 0 and status["queue_depth"] == 0 \
                 and status["free_blocks"] == status["total_blocks"]:
             return status

@@ -85,7 +85,7 @@ def test_pauses_keep_penalties_and_grammars(model_dir):
     paused_before = tight.stats.pauses
     got_n = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts[:4], several)]
     assert tight.stats.pauses > paused_before and got_n == want_n
-    kv = tight.engine.executor.kv
+    kv = tight.engine.core.kv
     assert kv.get_num_free_blocks() == kv.num_blocks
 
 

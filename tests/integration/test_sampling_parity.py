@@ -2,7 +2,7 @@
 has no processor of its own): greedy outputs under each penalty, logit_bias, bad_words and
 min_tokens are identical token for token; top-k logprobs of generated tokens and of the prompt
 (echo's path) agree within 1e-4 in float32; seeded sampling is reproducible whatever the batch.
-Everything runs through pdserve's offline LLM (the same executor and sampler the workers run)."""
+Everything runs through pdserve's offline LLM (the same core and sampler the workers run)."""
 from __future__ import annotations
 
 import random
@@ -208,7 +208,7 @@ def test_n_candidates_fork_one_prefill_and_count_against_the_batch(model):
         assert c.cumulative_logprob == pytest.approx(sum(e.logprob for e in s.logprobs), abs=1e-4)
     narrow = LLM(llm.engine.loaded, tokens_per_block=4, num_kv_blocks=256, max_batch_size=2, max_seq_len=128)
     scheduled = []
-    scheduler = narrow.engine.executor.scheduler
+    scheduler = narrow.engine.core.scheduler
     schedule = scheduler.schedule
 
     def counting_schedule(*args, **kwargs):
@@ -227,5 +227,5 @@ def test_n_candidates_fork_one_prefill_and_count_against_the_batch(model):
     ranked = sorted(singles, key=lambda s: -sum(e.logprob for e in s.logprobs))[:2]
     assert [c.token_ids for c in best.outputs] == [s.token_ids for s in ranked]
     for engine in (llm, narrow):
-        kv = engine.engine.executor.kv
+        kv = engine.engine.core.kv
         assert kv.get_num_free_blocks() == kv.num_blocks

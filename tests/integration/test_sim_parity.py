@@ -1,8 +1,8 @@
-"""The simulator and the live executor make identical scheduling decisions on a small trace.
+"""The simulator and the live core make identical scheduling decisions on a small trace.
 
 The simulator replays a slice of the Azure trace on one colocated worker (chunked prefill, a KV
 pool small enough that MAX_UTILIZATION pauses) and records, for every step, which requests
-arrived before it and what the scheduler decided. The real executor (the built-in tiny model,
+arrived before it and what the scheduler decided. The real core (the built-in tiny model,
 same engine settings) is then driven with the same requests arriving before the same steps; its
 scheduler, wrapped in the same recorder, must decide the same thing at every step: context
 chunks (request, size), generation batch, pauses and disaggregated reservations.
@@ -45,15 +45,15 @@ def test_simulated_worker_decides_like_the_executor(policy):
     assert any(len(d.context) > 1 or (d.context and d.generation) for d in simulated)
 
     llm = LLMEngine(model_dir, **engine)
-    executor = llm.executor
-    recorder = DecisionRecorder(executor.scheduler)
-    executor.scheduler = recorder
+    core = llm.core
+    recorder = DecisionRecorder(core.scheduler)
+    core.scheduler = recorder
     for before_step in arrivals:
         for rid, prompt, max_new, kind in before_step:
-            executor.add_request(LlmRequest(rid, prompt, max_new, llm_request_type=kind),
+            core.add_request(LlmRequest(rid, prompt, max_new, llm_request_type=kind),
                                  SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
-        executor.step()
-    assert not executor.has_work  # the same number of steps finished everything
+        core.step()
+    assert not core.has_work  # the same number of steps finished everything
     assert len(recorder.log) == len(simulated)
     for step, (live, simu) in enumerate(zip(recorder.log, simulated)):
-        assert live == simu, f"step {step}: executor {live} != simulator {simu}"
+        assert live == simu, f"step {step}: core {live} != simulator {simu}"

@@ -47,7 +47,7 @@ def _batch(seed: int, lengths) -> list[list[int]]:
 
 
 def _drained(llm: LLM) -> bool:
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     return kv.get_num_free_blocks() == kv.num_blocks and not kv.sequence_ids()
 
 
@@ -64,7 +64,7 @@ def test_engine_parity(built, name):
 def test_long_decodes_hold_only_live_blocks(built):
     hf, path = built["mistral"]
     llm = LLM(path, **CHUNKED)
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert (kv.max_attention_window, kv.temporary_attention_window) == (W, 16 + B)
     batch = _batch(3, (27, 90))
     expected = P.reference(hf, batch, 40)
@@ -76,7 +76,7 @@ def test_long_decodes_hold_only_live_blocks(built):
     while engine.has_unfinished:
         # MAX_UTILIZATION's next-step needs never undercount: TensorRT-LLM's formula counts no
         # block for a decode past W, this manager opens one at each block boundary.
-        live = engine.executor.active + engine.executor.waiting
+        live = engine.core.active + engine.core.waiting
         needed = sum(kv.get_needed_blocks_one_step(r, False) for r in live)
         used = kv.get_num_used_blocks()
         for out, update in engine.step():
@@ -119,7 +119,7 @@ def test_no_reuse_credit_past_the_window(built):
     long = prefix[:24] + _batch(7, (7,))[0]  # 31 tokens > W + T, 24 of them cached
     expected = P.reference(hf, [prefix, long], 10)
     assert llm.generate([prefix], _greedy(10))[0].token_ids == expected[0]
-    assert llm.engine.executor.kv.get_num_cached_blocks() == 27 // B
+    assert llm.engine.core.kv.get_num_cached_blocks() == 27 // B
     steps = llm.stats.steps
     assert llm.generate([long], _greedy(10))[0].token_ids == expected[1]
     assert llm.stats.steps - steps == 2 + 9  # two chunks of at most 16 tokens, then 9 decodes
@@ -138,7 +138,7 @@ def test_several_candidates_and_abort(built):
     rid = engine.add_request(batch[1], _greedy(30))
     for _ in range(12):
         engine.step()
-    assert engine.executor.kv.get_num_front_blocks_removed(rid) > 0
+    assert engine.core.kv.get_num_front_blocks_removed(rid) > 0
     assert engine.abort(rid) and _drained(llm)
 
 

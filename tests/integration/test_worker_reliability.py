@@ -1,5 +1,5 @@
 """Worker-side reliability pieces in one process, with the tiny model: request deadlines in the
-executor (a fake clock), forced tokens (a retry that continues after tokens the client already
+core (a fake clock), forced tokens (a retry that continues after tokens the client already
 has), an abort that overtakes its submission in the WorkerHost, and the KV receiver refusing a
 context endpoint that is gone (the context worker restarted)."""
 from __future__ import annotations
@@ -61,15 +61,15 @@ def _executor(loaded, clock=None) -> EngineCore:
                       vocab_size=mcfg.vocab_size, max_seq_len=mcfg.max_position_embeddings, **kwargs)
 
 
-def _run(executor: EngineCore, max_steps: int = 200) -> dict[int, list]:
+def _run(core: EngineCore, max_steps: int = 200) -> dict[int, list]:
     """Steps until idle; returns each request's updates."""
     out: dict[int, list] = {}
     for _ in range(max_steps):
-        if not executor.has_work:
+        if not core.has_work:
             return out
-        for u in executor.step():
+        for u in core.step():
             out.setdefault(u.request_id, []).append(u)
-    raise AssertionError("the executor did not go idle")
+    raise AssertionError("the engine core did not go idle")
 
 
 def _tokens(updates) -> list[int]:

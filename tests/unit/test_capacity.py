@@ -1,7 +1,7 @@
 """Capacity scheduler: MaxRequests, GUARANTEED_NO_EVICT, STATIC_BATCH, LoRA pages, cross KV,
 prefix-aware skipping and the reorder hook (scheduling.md 2).
 
-KV state is built with the real KVCacheManager the way the executor builds it (add_sequence,
+KV state is built with the real KVCacheManager the way the engine core builds it (add_sequence,
 add_token, store_context_blocks) and request states are set directly. B = 4 tokens per block;
 GNE needs of a new request are ceil((P + N) / B) blocks, of a running one
 ceil((P + N) / B) - allocated (scheduling.md 2.4).
@@ -54,7 +54,7 @@ def gen_only(rid: int, prompt_len: int, max_new: int = 8, **kw: object) -> LlmRe
 
 def transferring(kv: KVCacheManager, rid: int, prompt_len: int, max_new: int = 8,
                  **kw: object) -> LlmRequest:
-    """A gen-init request after the executor reserved its blocks and posted the receive."""
+    """A gen-init request after the engine core reserved its blocks and posted the receive."""
     req = gen_only(rid, prompt_len, max_new, **kw)
     kv.add_sequence(req)
     req.state = S.DISAGG_GENERATION_TRANS_IN_PROGRESS

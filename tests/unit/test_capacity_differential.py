@@ -19,7 +19,7 @@ a PEFT manager, reuse on and off over real shared prefixes, sliding windows, sin
 scheduling on and off, two-step look-ahead, bands (an encoder band with a cross pool among
 them), pools small enough for MAX_UTILIZATION to pause and GUARANTEED_NO_EVICT to run out,
 request caps and reorder policies. Workloads are also stepped to completion (SimulatedWorker,
-and the lifecycle functions with a cross pool) so that states evolve as an executor moves them.
+and the lifecycle functions with a cross pool) so that states evolve as an engine core moves them.
 
 ``PDSERVE_DIFF_EXAMPLES`` scales the example counts (default: a few seconds in CI).
 """

@@ -122,7 +122,7 @@ def test_transfer_in_progress_counts_against_cap_and_kv_but_is_never_returned() 
     kv = KVCacheManager(100, B)
     t = LlmRequest(1, list(range(8)), 8, llm_request_type=LlmRequestType.GENERATION_ONLY,
                    lora_task_id=1)
-    kv.add_sequence(t)  # reserved by the executor when it was gen-init
+    kv.add_sequence(t)  # reserved by the engine core when it was gen-init
     t.state = S.DISAGG_GENERATION_TRANS_IN_PROGRESS
     g1, g2 = generating(kv, 2, 9), generating(kv, 3, 9)
     assert run([t, g1, g2], kv, cap=2) == ([2], [], [3])  # t takes a slot, is never paused

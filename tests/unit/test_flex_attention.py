@@ -98,7 +98,7 @@ def test_block_masks_are_exact(window) -> None:
 
 
 def test_window_scratch_block_repeated_in_tables() -> None:
-    """Sliding-window virtual tables repeat one scratch block below the window (executor
+    """Sliding-window virtual tables repeat one scratch block below the window (core
     ._block_table): its slots are never attended, and the live blocks still are."""
     window, num_blocks, scratch = 6, 40, 39
     decode = [SeqBatchInfo(0, 1, 21, (scratch,) * 4 + (7, 3)),  # positions 16..21 live in 7 and 3

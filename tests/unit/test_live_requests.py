@@ -1,5 +1,5 @@
 """lifecycle.live_requests / count_by_state: the one definition of what a worker holds, behind
-Executor.status, Executor.request_states and the metrics' request gauges."""
+EngineCore.status, EngineCore.request_states and the metrics' request gauges."""
 from __future__ import annotations
 
 from pdserve.scheduler import LlmRequest, LlmRequestState, lifecycle

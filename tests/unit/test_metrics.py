@@ -1,5 +1,5 @@
 """cluster/metrics.py without Ray: a fake factory records every metric call, a fake clock drives
-the gauge timer, and the executor's real stats and the transport's real TransferLog carry the
+the gauge timer, and the engine core's real stats and the transport's real TransferLog carry the
 cumulative counters."""
 from __future__ import annotations
 
@@ -392,7 +392,7 @@ def test_steps_and_ticks_share_one_gauge_timer():
     clock.now += 0.2
     metrics.tick(ex)
     clock.now += 0.1
-    metrics.observe(ex)  # the tick set them 0.1 s ago, and the executor still has work
+    metrics.observe(ex)  # the tick set them 0.1 s ago, and the engine core still has work
     assert len(factory.calls(MS.KV_BLOCKS_FREE)) == 2
 
 
@@ -404,7 +404,7 @@ def test_gauges_from_the_executor_count_live_requests_and_blocks():
     t.draining[4] = _request(4, S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
     t.num_quarantined_blocks = 3
     free = ex.kv.get_num_free_blocks()
-    assert M.gauges_from_executor(ex) == M.WorkerGauges(
+    assert M.gauges_from_core(ex) == M.WorkerGauges(
         {"CONTEXT_INIT": 1, "DISAGG_GENERATION_TRANS_IN_PROGRESS": 1}, 32 - free, free, 32, 3)
 
 

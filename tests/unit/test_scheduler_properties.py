@@ -78,7 +78,7 @@ def _build(cfg, specs):
         max_num_tokens=max_tokens,
     )
     # Without chunking a whole (re)computed prompt must fit one step, so pauses clamp the
-    # folded prompt at max_num_tokens, as an executor's max_input_len would.
+    # folded prompt at max_num_tokens, as an engine core's max_input_len would.
     max_input_len = max_tokens if cfg["chunking"] is None else 1000
     worker = SimulatedWorker(
         scheduler, kv, max_input_len=max_input_len, transfer_steps=cfg["transfer_steps"]

@@ -1,5 +1,5 @@
 """EngineConfig.small_step_threads: decode-sized steps run on fewer torch threads than prefill
-chunks, switched per step by the executor; None leaves every step on the process's count; "auto"
+chunks, switched per step by the engine core; None leaves every step on the process's count; "auto"
 measures the count per step size (workers/runner/step_threads.py, tested here as pure logic too)."""
 from __future__ import annotations
 

@@ -349,7 +349,7 @@ def test_failed_send_reports_reason(tx: SenderSessions) -> None:
 
 def test_transfers_are_counted_when_poll_hands_them_back(tx: SenderSessions, rx: ReceiverSessions,
                                                          clock: FakeClock) -> None:
-    """The log is written by the thread that polls (the executor's, which reads it), once per
+    """The log is written by the thread that polls (the engine core's, which reads it), once per
     session; a worker with both roles counts both sides into one log."""
     rx.count_into(tx.transfers)
     tx.lease(7, [1, 2, 3], lease_s=2.0)

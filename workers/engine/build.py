@@ -27,14 +27,14 @@ log = logging.getLogger("pdserve.engine")
 MAX_GRAPH_BATCH = 512
 
 
-def build_executor(
+def build_engine_core(
     model: str | Path | LoadedModel,
     config: EngineConfig,
     *,
     transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
 ) -> tuple[LoadedModel, EngineCore]:
     """Load the model (a directory or a Hub repo id), size and allocate the KV pool and build
-    the executor (with a KV transceiver for disaggregated workers). Before any weight is read,
+    the engine core (with a KV transceiver for disaggregated workers). Before any weight is read,
     the weights and the pool are checked to fit the device's memory (``check_memory``)."""
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(model, LoadedModel):
@@ -74,7 +74,7 @@ def build_executor(
                                           max_blocks=-(-max_seq_len // B) + (1 if window is not None else 0))
     runner = ModelRunner(loaded.model, kv_pool, small_step_threads=config.small_step_threads,
                          small_step_tokens=config.small_step_tokens)
-    executor = EngineCore(
+    core = EngineCore(
         runner,
         config,
         eos_token_ids=loaded.eos_token_ids,
@@ -84,7 +84,7 @@ def build_executor(
         grammar=_LazyGrammar(loaded, mcfg.vocab_size) if loaded.tokenizer is not None else None,
         attention_window=window,
     )
-    return loaded, executor
+    return loaded, core
 
 
 def _scratch_blocks(mcfg: ModelConfig) -> int:
@@ -99,12 +99,12 @@ def sliding_window_of(mcfg: ModelConfig) -> int | None:
     return windows.pop() if len(windows) == 1 and None not in windows else None
 
 
-def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedModel,
+def build_worker_core(worker_id: str, role: str, model: str | Path | LoadedModel,
                           config: EngineConfig, *, lease_s: float = 30.0,
                           transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                           stall_send_s: Callable[[], float] | None = None,
                           kv_link: bool = True, host: str = "127.0.0.1") -> tuple[LoadedModel, EngineCore]:
-    """A disaggregated worker's executor: a KV sender for role "context", a receiver for
+    """A disaggregated worker's core: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
     each send's first chunk (fault injection: the send stalls while it is above 0). ``host``
     is this node's address: a context worker's KV store and KV link bind and advertise it, so
@@ -132,7 +132,7 @@ def build_worker_executor(worker_id: str, role: str, model: str | Path | LoadedM
         return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,
                              transfer_timeout_s=transfer_timeout_s)
 
-    return build_executor(model, config, transceiver_factory=transceiver_factory)
+    return build_engine_core(model, config, transceiver_factory=transceiver_factory)
 
 
 class _LazyGrammar:

@@ -14,7 +14,7 @@ Where they show on the Ray dashboard (docs/design.md, "Observability"):
 The records travel to the router inside the request channel's heartbeat (``drain``), which
 keeps the last ones for ``GetClusterStatus.recent_events`` (``pdserve top``).
 
-Not thread-safe by itself: the executor's thread records and drains. The log lines may come
+Not thread-safe by itself: the engine core's thread records and drains. The log lines may come
 from any thread (logging is).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pdserve.scheduler import LlmRequest
 from pdserve.transport.requests import UpdateKind, WireUpdate
 from pdserve.transport.requests.sampling import bad_words_to_token_ids
 
-from pdserve.workers.engine.build import build_executor
+from pdserve.workers.engine.build import build_engine_core
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.loading.hub import check_supported_options
 from pdserve.workers.loading.loader import LoadedModel
@@ -62,8 +62,8 @@ class LLMEngine:
                                 tokenizer=engine_config.pop("tokenizer", None),
                                 trust_remote_code=engine_config.pop("trust_remote_code", False))
         self.config = EngineConfig.from_kwargs(engine_config)
-        self.loaded, self.executor = build_executor(model, self.config)
-        self.kv_pool = self.executor.kv_pool
+        self.loaded, self.core = build_engine_core(model, self.config)
+        self.kv_pool = self.core.kv_pool
         self.tokenizer = self.loaded.tokenizer
         self._ids = itertools.count()
         self._outputs: dict[int, RequestOutput] = {}
@@ -97,14 +97,14 @@ class LLMEngine:
         ids = self.encode(prompt)
         rid = next(self._ids) if request_id is None else int(request_id)
         request = LlmRequest(rid, ids, params.max_tokens, priority=priority)
-        self.executor.add_request(request, params)
+        self.core.add_request(request, params)
         self._outputs[rid] = RequestOutput(rid, ids, logprobs=[] if params.logprobs is not None else None)
         self._candidates[rid] = ([CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
                                   for i in range(params.candidates)], wanted)
         return rid
 
     def abort(self, request_id: int) -> bool:
-        update = self.executor.abort(request_id)
+        update = self.core.abort(request_id)
         if update is None:
             return False
         self._apply(update)
@@ -112,10 +112,10 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.executor.has_work
+        return self.core.has_work
 
     def step(self) -> list[tuple[RequestOutput, WireUpdate]]:
-        return [(self._apply(u), u) for u in self.executor.step()]
+        return [(self._apply(u), u) for u in self.core.step()]
 
     def _apply(self, update: WireUpdate) -> RequestOutput:
         out = self._outputs[update.request_id]
@@ -168,7 +168,7 @@ class LLM:
 
     @property
     def stats(self):
-        return self.engine.executor.stats
+        return self.engine.core.stats
 
     def generate(
         self,

@@ -1,4 +1,4 @@
-"""The executor's side of disaggregated serving (TensorRT-LLM's cache transceiver, reference
+"""The engine core's side of disaggregated serving (TensorRT-LLM's cache transceiver, reference
 sections 1.4 and 7): context-only requests hand their KV off under a lease, generation-only
 requests reserve KV at DISAGG_GENERATION_INIT and receive it.
 
@@ -86,7 +86,7 @@ class KVTransceiver:
         # Generation side: aborted requests whose receive must go quiet before blocks are freed.
         self.draining: dict[int, LlmRequest] = {}
         # Generation side: request id -> (bytes, seconds, blocks moved) of its completed
-        # receive, until the executor reports it.
+        # receive, until the engine core reports it.
         self.received: dict[int, tuple[int, float, int]] = {}
         # Generation side: request id -> (client label, ctx worker id, blocks asked for, bytes)
         # of each receive in flight, for its event when it ends.
@@ -96,7 +96,7 @@ class KVTransceiver:
         # Control messages for the driver to deliver; replies come back through
         # ``deliver_reply`` from any thread.
         self.outbox: queue.SimpleQueue[ControlMessage] = queue.SimpleQueue()
-        self.events: WorkerEvents | None = None  # the executor sets its own
+        self.events: WorkerEvents | None = None  # the engine core sets its own
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     # ------------------------------------------------------------------ KVConnector

@@ -66,7 +66,7 @@ class ChannelHost(Protocol):
     """What the server needs of the worker it serves (``host.WorkerHost`` is one), and all it
     may touch: the server is built by the process shell that built the host (``ray_worker.py``)
     and handed the host as this, so neither module imports the other and the server never
-    reaches into the executor.
+    reaches into the engine core.
 
     Thread rules (the host's): ``submit``, ``abort``, ``connect_kv_peers``, ``post`` and the
     hook registrations are callable from any thread; ``status``, ``kv_snapshot`` and the hooks

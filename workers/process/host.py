@@ -1,8 +1,8 @@
-"""The one worker host: everything a worker process runs around its executor, whatever wraps
+"""The one worker host: everything a worker process runs around its core, whatever wraps
 it (the Ray actors in ``ray_worker.py``, the plain OS process in ``rpc_worker.py``).
 
 A ``WorkerHost`` owns
-- the executor's thread (the step loop): everything that touches the executor runs there;
+- the engine core's thread (the step loop): everything that touches the engine core runs there;
   the outside reaches it by queued commands (``post``, ``call``);
 - the one way in for requests, ``submit(WireRequest, sink)``: the request channel, Ray's
   streaming ``generate`` and the RPC worker all use it, and every update of the request goes to
@@ -92,17 +92,17 @@ class RequestStream:
 
 
 class WorkerHost:
-    def __init__(self, executor: EngineCore, *, worker_id: str, role: str, config: EngineConfig,
+    def __init__(self, core: EngineCore, *, worker_id: str, role: str, config: EngineConfig,
                  control: ControlPlane | None = None,
                  metrics: Any = None, faults: Faults | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  idle_wait_s: float = 0.05, incarnation: int | None = None) -> None:
-        self.executor = executor
+        self.core = core
         self.worker_id = worker_id
         self.role = role
         self.config = config
-        self.kv_control = KVControl(worker_id, executor.transceiver, control)
-        receiver = executor.transceiver.receiver if executor.transceiver is not None else None
+        self.kv_control = KVControl(worker_id, core.transceiver, control)
+        receiver = core.transceiver.receiver if core.transceiver is not None else None
         self.receiver = receiver
         if receiver is not None and control is not None:
             # pairs set their groups up and heal themselves, sending their own control messages
@@ -111,7 +111,7 @@ class WorkerHost:
         # and each pair's first set-up is over; other roles at once.
         self.peers_known = receiver is None
         self._joined = False
-        self.metrics = metrics  # observe(executor) after steps, tick(executor) every turn
+        self.metrics = metrics  # observe(core) after steps, tick(core) every turn
         self.faults = faults or Faults()
         self.on_fatal = on_fatal
         self.idle_wait_s = idle_wait_s
@@ -122,8 +122,8 @@ class WorkerHost:
         self._commands: queue.SimpleQueue[tuple[Callable[[], object], Future | None]] = queue.SimpleQueue()
         self._sinks: dict[int, Sink] = {}
         self._flush_hooks: list[Callable[[], None]] = []  # after updates were handed to sinks
-        executor.deliver_now = self._deliver  # a mid-step update goes out before the forward
-        executor.flush_control = self.kv_control.flush_outbox  # so do the step's KV requests
+        core.deliver_now = self._deliver  # a mid-step update goes out before the forward
+        core.flush_control = self.kv_control.flush_outbox  # so do the step's KV requests
         self._tick_hooks: list[Callable[[], None]] = []  # every loop turn (<= idle_wait_s apart)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{worker_id}-loop", daemon=True)
@@ -142,8 +142,8 @@ class WorkerHost:
         self._stop.set()
         self._thread.join(timeout_s)
         self.kv_control.close()
-        if self.executor.transceiver is not None:
-            self.executor.transceiver.close()
+        if self.core.transceiver is not None:
+            self.core.transceiver.close()
 
     @property
     def alive(self) -> bool:
@@ -180,7 +180,7 @@ class WorkerHost:
                 sink(WireUpdate.aborted(rid))
             else:
                 try:
-                    self.executor.add_request(request, params, deadline=deadline,
+                    self.core.add_request(request, params, deadline=deadline,
                                               forced_tokens=wire.forced_tokens,
                                               stream_kv=wire.stream_kv,
                                               output_start=wire.output_start,
@@ -215,7 +215,7 @@ class WorkerHost:
 
     def abort_now(self, request_id: int) -> bool:
         """On the loop thread: abort, or remember the id if it is not here yet."""
-        update = self.executor.abort(request_id)
+        update = self.core.abort(request_id)
         if update is None:
             self._tombstones[request_id] = None  # its submission may still be on the way
             while len(self._tombstones) > MAX_TOMBSTONES:
@@ -231,7 +231,7 @@ class WorkerHost:
         self._commands.put((fn, None))
 
     def call(self, fn: Callable[[], object], timeout_s: float = 30.0) -> object:
-        """Run ``fn`` on the loop thread (it may touch the executor) and return its result."""
+        """Run ``fn`` on the loop thread (it may touch the engine core) and return its result."""
         if not self.alive:
             raise RuntimeError(f"{self.worker_id} loop is not running: {self.loop_error!r}")
         future: Future = Future()
@@ -243,7 +243,7 @@ class WorkerHost:
     def info(self, vocab_size: int) -> WorkerInfo:
         """Who this worker is. ``request_endpoint`` and ``request_token`` are empty: the shell
         that built a request channel server for this host fills them in from it."""
-        ex = self.executor
+        ex = self.core
         return WorkerInfo(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
             num_kv_blocks=ex.kv.num_blocks, tokens_per_block=self.config.tokens_per_block,
@@ -284,16 +284,16 @@ class WorkerHost:
     def kv_events(self) -> KVEventLog | None:
         """The KV cache's event log (None without block reuse): what a request channel server
         batches to the router's prefix index."""
-        return self.executor.kv.kv_events
+        return self.core.kv.kv_events
 
     def kv_snapshot(self) -> list[BlocksStored]:
         """On the loop thread: the whole prefix cache as events (a router's resync)."""
-        return self.executor.kv.kv_snapshot()
+        return self.core.kv.kv_snapshot()
 
     def status(self, *, drain_events: bool) -> WorkerStatus:
         """On the loop thread: the worker's status as of its last step. ``drain_events``: take
         the transfer, pause and resume events since the previous drain (heartbeats do)."""
-        s = worker_status(self.executor, self.worker_id, self.role, self.config,
+        s = worker_status(self.core, self.worker_id, self.role, self.config,
                           incarnation=self.incarnation, healthy=self.ready,
                           drain_events=drain_events)
         if self.receiver is not None:
@@ -303,15 +303,15 @@ class WorkerHost:
     def status_map(self) -> dict[str, Any]:
         """On the loop thread, for tools and tests: ``EngineCore.status()`` (transfer records
         included) plus who this worker is."""
-        s = self.executor.status(records=True)
+        s = self.core.status(records=True)
         if self.receiver is not None:
             s["kv_pairs"] = self.receiver.pair_stats()
         s.update(worker_id=self.worker_id, role=self.role, healthy=self.ready, pid=os.getpid(),
                  incarnation=self.incarnation, max_batch_size=self.config.max_batch_size,
                  tokens_per_block=self.config.tokens_per_block,
-                 generated_tokens=self.executor.stats.generated_tokens,
-                 context_tokens=self.executor.stats.context_tokens,
-                 paused_requests=len(self.executor.paused_since),
+                 generated_tokens=self.core.stats.generated_tokens,
+                 context_tokens=self.core.stats.context_tokens,
+                 paused_requests=len(self.core.paused_since),
                  capacity_policy=self.config.capacity_scheduler_policy.name)
         return s
 
@@ -327,11 +327,11 @@ class WorkerHost:
         the others queue behind it on the pair),
         for at most ``seconds`` (0 turns it off)."""
         if name == "hold_stream":
-            self.executor.layer_hook = (_StreamHold(self.executor, int(args[0]), float(args[1]),
+            self.core.layer_hook = (_StreamHold(self.core, int(args[0]), float(args[1]),
                                                     bool(args[2])) if float(args[1]) > 0 else None)
             return True
         if name == "release_stream":
-            hold = self.executor.layer_hook
+            hold = self.core.layer_hook
             if isinstance(hold, _StreamHold):
                 hold.release.set()
             return hold is not None
@@ -344,10 +344,10 @@ class WorkerHost:
         if name == "break_pair":  # cut the KV pair group's connections with that peer, as a
             # dying peer or a broken network would; the pair rebuilds itself. Only the side
             # whose gloo listener accepted the connection can find it: False on the other.
-            t = self.executor.transceiver
+            t = self.core.transceiver
             side = None if t is None else (t.sender or t.receiver)
             return side is not None and side.break_pair(str(args[0]))
-        kv = self.executor.kv
+        kv = self.core.kv
         if name == "leak_blocks":
             rid, num_tokens = int(args[0]), int(args[1])
             return self.call(lambda: kv.add_sequence(LlmRequest(rid, [0] * num_tokens, 1)))
@@ -358,7 +358,7 @@ class WorkerHost:
     # ------------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
-        ex = self.executor
+        ex = self.core
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not ex.has_work)
@@ -440,15 +440,15 @@ class _StreamHold:
     """Fault injection (``hold_stream``): stop a layer-wise forward after ``layers`` layers, so
     a test can see the KV request meet a prefill that is still running, or cancel mid-stream."""
 
-    def __init__(self, executor: EngineCore, layers: int, seconds: float, until_sending: bool) -> None:
-        self.executor, self.layers, self.seconds = executor, layers, seconds
+    def __init__(self, core: EngineCore, layers: int, seconds: float, until_sending: bool) -> None:
+        self.core, self.layers, self.seconds = core, layers, seconds
         self.until_sending = until_sending
         self.release = threading.Event()
 
     def __call__(self, request_ids: list[int], layers: int) -> None:
         if layers != self.layers:
             return
-        sessions = self.executor.transceiver.sender.sessions
+        sessions = self.core.transceiver.sender.sessions
         end = time.monotonic() + self.seconds
         while time.monotonic() < end and not self.release.is_set():
             if self.until_sending and any(sessions.in_flight(rid) for rid in request_ids):

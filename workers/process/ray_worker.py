@@ -31,7 +31,7 @@ from pdserve.transport.requests import WireRequest, WireUpdate, WorkerInfo
 from pdserve.workers.engine import events
 from pdserve.workers.process.channel_server import RequestChannelServer
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.engine.build import build_worker_executor
+from pdserve.workers.engine.build import build_worker_core
 from pdserve.workers.process.host import Faults, WorkerHost
 from pdserve.workers.process.kv_control import KVTransferFailed, PeerGone
 from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME, actor_name
@@ -132,20 +132,20 @@ class RayWorker:
                 "that runs pdserve workers (copy it there, or use a shared filesystem)")
         config = EngineConfig.from_kwargs(engine)
         faults = Faults(stall_send_s=stall_send_s)
-        self.loaded, executor = build_worker_executor(
+        self.loaded, core = build_worker_core(
             worker_id, self.role, model_dir, config, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, connect_timeout_s=connect_timeout_s,
             kv_link=kv_link, host=self.node_ip,
             stall_send_s=lambda: faults.stall_send_s)
         # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
         self.host = WorkerHost(
-            executor, worker_id=worker_id, role=self.role, config=config,
+            core, worker_id=worker_id, role=self.role, config=config,
             control=RayControlPlane(transfer_timeout_s),
             metrics=metrics(self.role, actor_name(worker_id)) if metrics is not None else None,
             faults=faults, on_fatal=self._on_fatal)
         # The router's requests come in here; the host is all the server sees (ChannelHost).
         self.channel = RequestChannelServer(self.host, host_address=self.node_ip)
-        log.info("%s ready: %d KV blocks of %d tokens", worker_id, executor.kv.num_blocks,
+        log.info("%s ready: %d KV blocks of %d tokens", worker_id, core.kv.num_blocks,
                  config.tokens_per_block)
         self._announce_restart()
 
@@ -179,7 +179,7 @@ class RayWorker:
         deadline = None if wire.deadline_s is None else time.monotonic() + wire.deadline_s
         while not stream.finished:
             wait = UPDATE_WAIT_S
-            if deadline is not None:  # the executor ends it at the deadline; allow a margin
+            if deadline is not None:  # the engine core ends it at the deadline; allow a margin
                 wait = min(wait, max(0.0, deadline - time.monotonic()) + 30.0)
             yield stream.get(wait)
 
@@ -195,7 +195,7 @@ class RayWorker:
         return self.host.call(self.host.status_map)  # type: ignore[return-value]
 
     def request_states(self) -> dict[int, str]:
-        return self.host.call(self.host.executor.request_states)  # type: ignore[return-value]
+        return self.host.call(self.host.core.request_states)  # type: ignore[return-value]
 
     def kv_transfer(self, payload: bytes, endpoint: str | None = None) -> bytes | None:
         """Runs in the "transfer" concurrency group: returns when the bytes have landed."""

@@ -22,7 +22,7 @@ from typing import Any
 from pdserve.transport.requests import WireRequest, WireUpdate
 
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.engine.build import build_worker_executor
+from pdserve.workers.engine.build import build_worker_core
 from pdserve.workers.process.host import Faults, RequestStream, WorkerHost
 from pdserve.workers.engine.transceiver import ControlMessage
 
@@ -124,7 +124,7 @@ class RpcWorkerServer:
         return self.host.call(self.host.status_map)  # type: ignore[return-value]
 
     def rpc_request_states(self) -> dict[int, str]:
-        return self.host.call(self.host.executor.request_states)  # type: ignore[return-value]
+        return self.host.call(self.host.core.request_states)  # type: ignore[return-value]
 
     def rpc_kv_control(self, payload: bytes) -> bytes | None:
         return self.host.kv_control.serve(payload)
@@ -145,10 +145,10 @@ class RpcWorkerServer:
 def build_host(args: argparse.Namespace, peers: dict[str, str]) -> WorkerHost:
     config = EngineConfig.from_kwargs(json.loads(args.engine))
     faults = Faults(stall_send_s=args.stall_send_s)
-    _, executor = build_worker_executor(
+    _, core = build_worker_core(
         args.worker_id, args.role, args.model, config, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, stall_send_s=lambda: faults.stall_send_s)
-    return WorkerHost(executor, worker_id=args.worker_id, role=args.role, config=config,
+    return WorkerHost(core, worker_id=args.worker_id, role=args.role, config=config,
                       control=RpcControlPlane(peers, args.transfer_timeout_s), faults=faults)
 
 

@@ -9,7 +9,7 @@ chunks are bound by arithmetic and want every thread. Where the line falls depen
 for steps of fewer than ``max_tokens`` tokens it times each candidate count per step-size bucket
 (1, 2, 3-4, 5-8, ... tokens) and then runs the fastest, re-timing the others now and then.
 
-Pure logic (no torch): the executor asks ``threads_for(tokens)`` before a step's forward and
+Pure logic (no torch): the engine core asks ``threads_for(tokens)`` before a step's forward and
 reports ``observe(tokens, threads, seconds)`` after it. Results do not depend on the count:
 pdserve's CPU kernels give each row or sequence to one thread, and oneDNN's GEMMs at these
 shapes were bit-identical on 1 and 2 threads (tests/unit/test_step_threads.py checks a model).
