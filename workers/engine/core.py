@@ -32,9 +32,10 @@ from pdserve.workers.engine.admission import AdmissionLimits, check_request
 from pdserve.workers.engine.candidates import Candidates
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine.state import EngineStats, RequestTable, TrackedRequest, status_snapshot
-from pdserve.workers.engine.events import WorkerEvents, label
+from pdserve.workers.engine.events import WorkerEvents
 from pdserve.workers.engine.kv_connector import KVConnector, NoKVConnector
 from pdserve.workers.runner.model_runner import ModelRunner
+from pdserve.workers.engine.pauses import Pauses
 from pdserve.workers.engine.outputs import OutputProcessor, note_prompt_logprobs
 from pdserve.workers.runner.sampling import RequestSampler, SamplingParams
 from pdserve.workers.runner.plan import SampledToken, SamplingBatch, ScheduledSequence, StepPlan
@@ -96,15 +97,17 @@ class EngineCore:
         self.requests = RequestTable(clock)
         self.stats = EngineStats()
         # Transfers, pauses and resumes for people (log lines, dashboard, pdserve top).
-        self.events = WorkerEvents(transceiver.worker_id if transceiver is not None else worker_id)
+        events = WorkerEvents(transceiver.worker_id if transceiver is not None else worker_id)
         self.transceiver = transceiver  # the host wires its control plane
         self.connector: KVConnector = transceiver if transceiver is not None else NoKVConnector()
-        self.connector.attach_events(self.events)
+        self.connector.attach_events(events)
         self.limits = AdmissionLimits(vocab_size, max_seq_len, self.max_input_len, kv.num_blocks,
                                       config.capacity_scheduler_policy,
                                       self.connector.can_send, self.connector.can_receive)
         self.outputs = OutputProcessor(self.requests, kv, self.connector, self.stats,
                                        self.eos_token_ids, {})
+        self.pauses = Pauses(self.requests, kv, events, self.stats,
+                             config.capacity_scheduler_policy.name, self.max_input_len)
         self.candidates = Candidates(self.requests, kv, self.outputs, runner.copy_blocks,
                                      self._choice_sampler, self.max_input_len)
         # Where updates go that must not wait for the end of the step (a layer-wise context
@@ -125,6 +128,15 @@ class EngineCore:
     tracked = property(lambda self: self.requests.tracked)
     paused_since = property(lambda self: self.requests.paused_since)
     kv_pool = property(lambda self: self.runner.kv_pool)
+
+    @property
+    def events(self) -> WorkerEvents:
+        """Pauses and resumes go here (transfers: the connector's own)."""
+        return self.pauses.events
+
+    @events.setter
+    def events(self, events: WorkerEvents) -> None:
+        self.pauses.events = events
     model = property(lambda self: self.runner.model)
 
     # ------------------------------------------------------------------ admission
@@ -247,14 +259,14 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule(table.active, set())
         self.stats.schedule_seconds += time.perf_counter() - t0
-        self._pause(out.paused_requests)
+        self.pauses.pause(out.paused_requests)
         for request in out.fitting_disagg_gen_init_requests:
             self.connector.start_receive(request, self.kv,
                                          timeout_s=table.time_left(request.request_id))
         if out.fitting_disagg_gen_init_requests and self.flush_control is not None:
             self.flush_control()
         if table.paused_since:
-            self._note_resumed(out.context_requests)
+            self.pauses.note_resumed(out.context_requests)
         for request in out.context_requests:
             if (request.llm_request_type == LlmRequestType.GENERATION_ONLY and request.num_pauses == 0
                     and request.context_current_position == 0):
@@ -403,31 +415,6 @@ class EngineCore:
                 self.stats.deadlines_exceeded += 1
                 updates.append(update)
         return updates
-
-    def _pause(self, paused: list[LlmRequest]) -> None:
-        if not paused:
-            return
-        policy = self.config.capacity_scheduler_policy.name
-        for request in paused:
-            rid = request.request_id
-            blocks = len(self.kv.get_block_ids(rid)) if self.kv.has_sequence(rid) else 0
-            self.events.pause(client=label(rid, request.client_id), policy=policy,
-                              generated_tokens=request.get_num_tokens(0) - request.orig_prompt_len,
-                              blocks_freed=blocks, pause_index=request.num_pauses + 1)
-            self.requests.note_pause(rid)
-        lifecycle.pause_requests(paused, self.kv, self.max_input_len)
-        self.stats.pauses += len(paused)
-        self.stats.paused_request_ids.extend(r.request_id for r in paused)
-
-    def _note_resumed(self, scheduled_contexts: list[LlmRequest]) -> None:
-        """A paused request resumes when its recompute's first chunk is scheduled."""
-        now = time.monotonic()
-        for request in scheduled_contexts:
-            since = self.requests.paused_since.pop(request.request_id, None)
-            if since is not None:
-                self.events.resume(client=label(request.request_id, request.client_id),
-                                   paused_seconds=now - since, pause_index=request.num_pauses,
-                                   prefill_tokens=request.prompt_len)
 
     # ------------------------------------------------------------------ what it holds
 
