@@ -13,7 +13,8 @@ from pdserve.transport.kv_pool import KVPool
 
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine.core import EngineCore
-from pdserve.workers.loading.loader import LoadedModel, load_config, load_model, resolve_dtype, resolve_model_dir, stored_dtype
+from pdserve.workers.loading.loader import (LoadedModel, load_config, load_model, resolve_dtype,
+                                          resolve_model_dir, stored_dtype)
 from pdserve.workers.loading.memory import plan_memory
 from pdserve.workers.model import ModelConfig
 from pdserve.workers.runner.model_runner import ModelRunner

@@ -235,7 +235,7 @@ class EngineCore:
         if plan is None:
             self.stats.steps += 1
             return updates
-        streams = [self.kv_request(rid) for rid in plan.stream_request_ids]
+        streams = [self._request_of(rid) for rid in plan.stream_request_ids]
         try:
             result = self.runner.execute(plan, sampling, self._layer_done(plan.stream_request_ids)
                                          if streams else None)
@@ -248,7 +248,7 @@ class EngineCore:
         self.stats.steps += 1
         return updates
 
-    def kv_request(self, request_id: int) -> LlmRequest:
+    def _request_of(self, request_id: int) -> LlmRequest:
         return self.requests.tracked[request_id].request
 
     def _schedule(self) -> tuple[list[WireUpdate], StepPlan | None, SamplingBatch | None]:
@@ -303,8 +303,9 @@ class EngineCore:
             if t.prompt_logprobs is not None:  # every row predicts a prompt token
                 k = t.params.prompt_logprobs
                 targets = tuple(tokens[pos + 1:pos + 1 + max(0, min(n, request.orig_prompt_len - 1 - pos))])
-            rows.append(ScheduledSequence(rid, len(input_ids), n, pos, block_table(rid, pos, n),
-                                          samples, k, targets or ()))
+            rows.append(ScheduledSequence(rid, len(input_ids), n, pos,
+                                          tuple(block_table(rid, pos, n)), samples, k,
+                                          targets or ()))
             input_ids.extend(tokens[pos:pos + n])
             if samples:
                 self._add_sampling_row(sampling, t, tokens)
@@ -312,8 +313,8 @@ class EngineCore:
             rid = request.request_id
             tokens = request.get_tokens(0)
             past = len(tokens) - 1
-            rows.append(ScheduledSequence(rid, len(input_ids), 1, past, block_table(rid, past, 1),
-                                          True))
+            rows.append(ScheduledSequence(rid, len(input_ids), 1, past,
+                                          tuple(block_table(rid, past, 1)), True))
             input_ids.append(tokens[-1])
             self._add_sampling_row(sampling, tracked[rid], tokens)
         return StepPlan(tuple(input_ids), tuple(rows), len(contexts), tuple(streams)), sampling
