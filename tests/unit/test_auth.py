@@ -267,3 +267,53 @@ def test_admin_keys_from_flags_file_and_environment(tmp_path):
     with pytest.raises(A.SecurityConfigError, match="^--admin-api-key-file: cannot read"):
         A.load_admin_api_keys((), str(tmp_path / "missing"), {})
 
+
+def test_router_config_admin_keys():
+    cfg = RouterConfig(api_keys=[SECRET], admin_api_keys=[ADMIN])
+    assert cfg.admin_api_keys == (ADMIN,) and ADMIN not in repr(cfg)
+    assert RouterConfig(admin_api_keys=[ADMIN]).api_keys == ()  # admin keys alone are fine
+    with pytest.raises(ValueError, match="^admin_api_keys: 1 key") as info:
+        RouterConfig(api_keys=[SECRET, "k2"], admin_api_keys=[SECRET])
+    assert SECRET not in str(info.value)
+    with pytest.raises(ValueError, match="^admin_api_keys:") as info:
+        RouterConfig(admin_api_keys=["has space"])
+    assert "has space" not in str(info.value)
+
+
+def test_client_sends_the_admin_key_on_admin_calls_only(monkeypatch):
+    monkeypatch.delenv(A.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(A.ADMIN_API_KEY_ENV, raising=False)
+    plain = Connection.from_target("r:1", api_key=SECRET)
+    assert plain.admin_api_key is None and plain.admin_metadata == plain.metadata  # the API key, then
+    admin = Connection.from_target("r:1", api_key=SECRET, admin_api_key=ADMIN)
+    assert admin.metadata == (("authorization", f"Bearer {SECRET}"),)
+    assert admin.admin_metadata == (("authorization", f"Bearer {ADMIN}"),) and ADMIN not in repr(admin)
+    monkeypatch.setenv(A.ADMIN_API_KEY_ENV, ADMIN)
+    assert Connection.from_target("r:1").admin_metadata == (("authorization", f"Bearer {ADMIN}"),)
+    with pytest.raises(A.SecurityConfigError, match="^--admin-api-key:"):
+        Connection.from_target("r:1", admin_api_key="two words")
+
+
+def test_launch_admin_flags(tmp_path, monkeypatch):
+    import argparse
+
+    from pdserve.cli import main as cli
+
+    def config(*argv):
+        parser = argparse.ArgumentParser()
+        cli.add_launch_arguments(parser)
+        return cli.launch_config_from_args(parser.parse_args(list(argv))).router
+
+    monkeypatch.delenv(A.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(A.ADMIN_API_KEY_ENV, raising=False)
+    assert config().admin_api_keys == ()
+    f = tmp_path / "admin"
+    f.write_text("adm-file\n")
+    cfg = config("--api-key", SECRET, "--admin-api-key", ADMIN, "--admin-api-key-file", str(f))
+    assert cfg.api_keys == (SECRET,) and cfg.admin_api_keys == (ADMIN, "adm-file")
+    summary = cli._security_summary(cfg)
+    assert (summary["api_keys"], summary["admin_api_keys"]) == (1, 2) and ADMIN not in str(summary)
+    # Admin keys alone leave ordinary calls open: an exposed bind still warns.
+    assert len(cli._security_warnings(config("--host", "0.0.0.0", "--admin-api-key", ADMIN))) == 1
+    monkeypatch.setenv(A.ADMIN_API_KEY_ENV, ADMIN)
+    assert config().admin_api_keys == (ADMIN,)
