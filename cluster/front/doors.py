@@ -1,8 +1,7 @@
 """``FrontDoors``: opens and closes the router's front doors (gRPC always, OpenAI HTTP when
 ``http_port`` is set) over one router core, with what they share: one ``KeyRing`` of API and
 admin keys (so a key's cap on requests in flight counts across both doors) and one TLS
-configuration. The router actor
-(``cluster/router_actor.py``) is the one caller."""
+configuration. The router actor (``cluster/router_actor.py``) is the one caller."""
 from __future__ import annotations
 
 import logging
@@ -61,7 +60,8 @@ class FrontDoors:
     def security(self) -> DoorSecurity:
         cfg = self.config
         return DoorSecurity(
-            api_keys=self.keys.api_keys, admin_api_keys=self.keys.admin_keys, tls=cfg.tls_cert is not None, mutual_tls=cfg.tls_client_ca is not None,
+            api_keys=self.keys.api_keys, admin_api_keys=self.keys.admin_keys,
+            tls=cfg.tls_cert is not None, mutual_tls=cfg.tls_client_ca is not None,
             max_inflight_per_key=cfg.max_inflight_per_key, warnings=tuple(self.warnings),
             grpc_address=f"{cfg.host}:{self.grpc_port}" if self.grpc_port is not None else "",
             http_address=f"{cfg.http_host}:{self.http_port}" if self.http_port is not None else "")
