@@ -111,6 +111,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: $PDSERVE_API_KEY if set; health checks stay open)")
     sec.add_argument("--api-key-file", default=None, metavar="FILE",
                      help="require one of the keys in FILE (one per line, # comments)")
+    sec.add_argument("--admin-api-key", action="append", default=None, metavar="KEY",
+                     help="an admin key: only admin keys may stop the cluster (gRPC Shutdown, "
+                          "`pdserve shutdown`), and they are accepted as API keys too; repeat for "
+                          "several (default: $PDSERVE_ADMIN_API_KEY if set). Without admin keys, "
+                          "Shutdown is taken only from this machine (loopback)")
+    sec.add_argument("--admin-api-key-file", default=None, metavar="FILE",
+                     help="admin keys from FILE (one per line, # comments)")
     sec.add_argument("--max-inflight-per-key", type=int, default=None, metavar="N",
                      help="at most N requests in flight per API key; more get 429 / RESOURCE_EXHAUSTED")
     sec.add_argument("--tls-cert", default=None, metavar="FILE", help="serve TLS: PEM certificate chain")
@@ -173,7 +180,7 @@ def _resources_flag(flag: str):
 def launch_config_from_args(args: argparse.Namespace):
     import yaml
 
-    from pdserve.cluster.auth import TlsFiles, load_api_keys
+    from pdserve.cluster.auth import TlsFiles, load_admin_api_keys, load_api_keys
     from pdserve.cluster.launch import LaunchConfig
     from pdserve.cluster.router import RouterConfig
 
@@ -202,6 +209,11 @@ def launch_config_from_args(args: argparse.Namespace):
                          environ={} if router.get("api_keys") else os.environ)
     if keys:
         router["api_keys"] = keys
+    admin = load_admin_api_keys(getattr(args, "admin_api_key", None) or (),
+                                getattr(args, "admin_api_key_file", None),
+                                environ={} if router.get("admin_api_keys") else os.environ)
+    if admin:
+        router["admin_api_keys"] = admin
     tls = TlsFiles.from_options(router.get("tls_cert"), router.get("tls_key"), router.get("tls_client_ca"))
     if tls is not None:
         tls.check()  # an unreadable or mismatched file is an error now, before anything starts
@@ -312,7 +324,8 @@ def _security_warnings(router_cfg) -> list[str]:
 
 def _security_summary(router_cfg) -> dict:
     """What `launch` prints about the front doors' protection: counts and flags, never a key."""
-    return {"api_keys": len(router_cfg.api_keys), "tls": router_cfg.tls_cert is not None,
+    return {"api_keys": len(router_cfg.api_keys), "admin_api_keys": len(router_cfg.admin_api_keys),
+            "tls": router_cfg.tls_cert is not None,
             "mutual_tls": router_cfg.tls_client_ca is not None,
             "max_inflight_per_key": router_cfg.max_inflight_per_key,
             "warnings": _security_warnings(router_cfg)}
@@ -433,7 +446,9 @@ def _shutdown(argv: list[str]) -> int:
         description="Stop a pdserve cluster's actors (never the Ray cluster). With --port (and "
                     "--host) alone, the router serving that port is asked to stop its own cluster, "
                     "whichever Ray cluster it runs on; with --address, pdserve's actors on that Ray "
-                    "cluster are killed (only if its router serves --port, when given).")
+                    "cluster are killed (only if its router serves --port, when given). Asking the "
+                    "router is an admin call: it needs --admin-api-key when the router has admin "
+                    "keys, and is taken only from the router's own machine when it has none.")
     parser.add_argument("--port", type=int, default=None, help="the router's gRPC port")
     parser.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     parser.add_argument("--address", default=None,
@@ -442,6 +457,9 @@ def _shutdown(argv: list[str]) -> int:
     parser.add_argument("--wait", type=float, default=60.0,
                         help="seconds to wait for the router's port to close (default 60)")
     _add_connection_arguments(parser)
+    from pdserve.cluster.client import add_admin_arguments
+
+    add_admin_arguments(parser.add_argument_group("admin"))
     args = parser.parse_args(argv)
     if args.address is None and args.port is not None:
         return _shutdown_by_port(parser, args)

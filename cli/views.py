@@ -380,6 +380,8 @@ def security_lines(status: Any) -> list[Text]:
     s = status.security
     keys = (f"API keys {s.api_keys}" + (f" (<= {s.max_inflight_per_key} in flight each)"
                                          if s.max_inflight_per_key else "")) if s.api_keys else "no API key"
+    if s.admin_api_keys:
+        keys += f", admin keys {s.admin_api_keys}"
     tls = ("mutual TLS" if s.mutual_tls else "TLS") if s.tls else "no TLS"
     doors = [f"gRPC {s.grpc_address}"] + ([f"HTTP {s.http_address}"] if s.http_address else [])
     out = [_line("security", keys, tls, *doors)]

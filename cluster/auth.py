@@ -1,8 +1,9 @@
-"""Front-door security, the decisions only: API keys (loading, matching in constant time,
-per-key requests in flight), the TLS files, and the warning for an unprotected non-loopback
-bind. No gRPC and no aiohttp here: ``cluster/front/grpc/security.py`` (a gRPC server
-interceptor and the server credentials) and ``cluster/front/openai/server.py`` (a middleware)
-adapt it.
+"""Front-door security, the decisions only: API keys and admin API keys (loading, matching in
+constant time, per-key requests in flight), who may make an admin call (``admin_call_refusal``,
+with the gRPC peer strings it reads: ``parse_peer``), the TLS files, and the warning for an
+unprotected non-loopback bind. No gRPC and no aiohttp here: ``cluster/front/grpc/security.py``
+(a gRPC server interceptor and the server credentials), ``cluster/front/grpc/servicer.py`` (the
+admin calls) and ``cluster/front/openai/server.py`` (a middleware) adapt it.
 
 Invariants:
 - A key is never logged, echoed or shown: a ``KeyRing`` keeps only SHA-256 digests of its
@@ -11,6 +12,10 @@ Invariants:
 - Matching hashes what the client sent and compares the digest with every configured key's
   digest (``hmac.compare_digest``), all of them, every time: its time depends neither on how
   much of a key matched nor on which key matched, nor on the length of a wrong key.
+- Admin keys are a superset of API keys: an admin key is accepted wherever an API key is, and
+  only an admin key may make an admin call (``Shutdown``). Without admin keys, an admin call is
+  taken only from a loopback peer (and, when API keys are set, with one of them); a peer this
+  module cannot read as loopback is refused (it fails closed).
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import hmac
 import ipaddress
 import os
 import ssl
+import urllib.parse
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
 API_KEY_ENV = "PDSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
 BEARER = "bearer"
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
@@ -68,16 +75,29 @@ def read_key_file(path: str, field: str = "--api-key-file") -> list[str]:
     return keys
 
 
+def _load_keys(keys: Sequence[str], key_file: str | None, environ: Mapping[str, str],
+               flag: str, env: str) -> tuple[str, ...]:
+    found = [check_key(k, flag) for k in keys]
+    if key_file:
+        found += read_key_file(key_file, f"{flag}-file")
+    if not found and environ.get(env):
+        found = [check_key(environ[env].strip(), env)]
+    return tuple(dict.fromkeys(found))
+
+
 def load_api_keys(keys: Sequence[str] = (), key_file: str | None = None,
                   environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """The keys the router accepts: every ``--api-key`` and every line of ``--api-key-file``;
     when neither is given, ``PDSERVE_API_KEY`` (one key) if set. Duplicates once, order kept."""
-    found = [check_key(k, "--api-key") for k in keys]
-    if key_file:
-        found += read_key_file(key_file)
-    if not found and environ.get(API_KEY_ENV):
-        found = [check_key(environ[API_KEY_ENV].strip(), API_KEY_ENV)]
-    return tuple(dict.fromkeys(found))
+    return _load_keys(keys, key_file, environ, "--api-key", API_KEY_ENV)
+
+
+def load_admin_api_keys(keys: Sequence[str] = (), key_file: str | None = None,
+                        environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """The router's admin keys, by the same rules as ``load_api_keys``: every
+    ``--admin-api-key`` and every line of ``--admin-api-key-file``; when neither is given,
+    ``PDSERVE_ADMIN_API_KEY`` (one key) if set."""
+    return _load_keys(keys, key_file, environ, "--admin-api-key", ADMIN_API_KEY_ENV)
 
 
 def client_api_key(key: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -85,6 +105,14 @@ def client_api_key(key: str | None, environ: Mapping[str, str] = os.environ) -> 
     if key is None:
         key = environ.get(API_KEY_ENV, "").strip() or None
     return check_key(key, "--api-key") if key is not None else None
+
+
+def client_admin_api_key(key: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The admin key a client sends on admin calls: the one given, else
+    ``PDSERVE_ADMIN_API_KEY``, else none (the client then sends its API key, if any)."""
+    if key is None:
+        key = environ.get(ADMIN_API_KEY_ENV, "").strip() or None
+    return check_key(key, "--admin-api-key") if key is not None else None
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -107,30 +135,54 @@ def fingerprint(key: str) -> str:
 
 
 class KeyRing:
-    """The accepted keys (as digests) and each key's requests in flight.
+    """The accepted keys (as digests), which of them are admin keys, and each key's requests in
+    flight.
 
-    ``match`` returns the index of the key presented, or None. ``try_acquire`` / ``release``
+    The API keys come first, then the admin keys; a key given as both counts as an admin key
+    (``RouterConfig`` refuses that, so that nobody believes a key ordinary that is not).
+    ``match`` returns the index of the key presented (API or admin), or None; ``is_admin``
+    says which kind it is. ``enabled`` says whether ordinary calls need a key: API keys make
+    them need one (an admin key among them), while admin keys alone guard the admin calls only,
+    and leave the ordinary ones as open as a keyless router's. ``try_acquire`` / ``release``
     count a key's requests in flight against ``max_inflight_per_key`` (None: no cap). It is
     used from one event loop (the router's), so the counts need no lock."""
 
-    def __init__(self, keys: Iterable[str] = (), max_inflight_per_key: int | None = None) -> None:
-        keys = list(keys)
+    def __init__(self, keys: Iterable[str] = (), max_inflight_per_key: int | None = None,
+                 admin_keys: Iterable[str] = ()) -> None:
+        admin = list(dict.fromkeys(admin_keys))
+        admin_digests = {_digest(k) for k in admin}
+        ordinary = [k for k in dict.fromkeys(keys) if _digest(k) not in admin_digests]
         if max_inflight_per_key is not None and max_inflight_per_key < 1:
             raise SecurityConfigError(f"max_inflight_per_key: must be >= 1, got {max_inflight_per_key!r}")
-        self._digests = [_digest(k) for k in keys]
-        self.fingerprints = [fingerprint(k) for k in keys]
+        every = ordinary + admin
+        self._digests = [_digest(k) for k in every]
+        self._admin = [False] * len(ordinary) + [True] * len(admin)
+        self.api_keys = len(ordinary)
+        self.admin_keys = len(admin)
+        self.fingerprints = [fingerprint(k) for k in every]
         self.max_inflight_per_key = max_inflight_per_key
-        self.in_flight = [0] * len(keys)
+        self.in_flight = [0] * len(every)
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        """Ordinary calls need a key (API keys are set)."""
+        return self.api_keys > 0
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Admin calls need an admin key (admin keys are set)."""
+        return self.admin_keys > 0
+
+    def is_admin(self, index: int) -> bool:
+        return self._admin[index]
 
     def __len__(self) -> int:
         return len(self._digests)
 
     def __repr__(self) -> str:
-        return f"KeyRing({len(self)} keys {self.fingerprints}, max_inflight_per_key={self.max_inflight_per_key})"
+        return (f"KeyRing({self.api_keys} API keys {self.fingerprints[:self.api_keys]}, "
+                f"{self.admin_keys} admin keys {self.fingerprints[self.api_keys:]}, "
+                f"max_inflight_per_key={self.max_inflight_per_key})")
 
     def match(self, presented: str | None) -> int | None:
         if presented is None:
@@ -164,6 +216,120 @@ class KeyRing:
 
 
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send it as 'authorization: Bearer <key>'"
+
+
+# ---------------------------------------------------------------------- admin calls
+
+class Peer(NamedTuple):
+    """A gRPC peer, parsed: family "ipv4", "ipv6" or "unix" (``unix-abstract`` too), the
+    address (an IP address without brackets, or the socket's path) and the port (None for a
+    socket path)."""
+
+    family: str
+    host: str
+    port: int | None
+
+
+def parse_peer(peer: str) -> Peer | None:
+    """``context.peer()`` of a gRPC call: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000`` (gRPC
+    1.5x+ writes the address as a URI, so the brackets come percent-encoded:
+    ``ipv6:%5B::1%5D:5000``, and a zone as ``%25``) or ``unix:/path``. None for anything else,
+    and for an ipv4/ipv6 peer whose address is not an IP literal (a peer is never a name)."""
+    if not isinstance(peer, str):
+        return None
+    family, sep, rest = peer.partition(":")
+    if not sep:
+        return None
+    rest = urllib.parse.unquote(rest)
+    if family in ("unix", "unix-abstract"):
+        return Peer("unix", rest, None)
+    if family == "ipv4":
+        host, _, port_text = rest.rpartition(":")
+        if not host:  # no port
+            host, port_text = rest, ""
+    elif family == "ipv6":
+        if rest.startswith("["):
+            host, bracket, tail = rest[1:].partition("]")
+            if not bracket or (tail and not tail.startswith(":")):
+                return None
+            port_text = tail[1:]
+        else:  # no brackets: only a bare address (a port would be ambiguous)
+            host, port_text = rest, ""
+    else:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if (address.version == 4) != (family == "ipv4"):
+        return None
+    if port_text and not (port_text.isdigit() and int(port_text) <= 65535):
+        return None
+    return Peer(family, host, int(port_text) if port_text else None)
+
+
+def _ip_is_loopback(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """127.0.0.0/8 and ::1, and an IPv4 loopback mapped into IPv6 (``::ffff:127.0.0.1``, what
+    a dual-stack socket shows an IPv4 client as), which Python before 3.13 does not count."""
+    if address.is_loopback:
+        return True
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped is not None and mapped.is_loopback
+
+
+def peer_is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer is on this machine: a loopback IP address, or a Unix socket (only
+    processes here can reach one). Anything unreadable is not (it fails closed)."""
+    parsed = parse_peer(peer)
+    if parsed is None:
+        return False
+    if parsed.family == "unix":
+        return True
+    return _ip_is_loopback(ipaddress.ip_address(parsed.host))
+
+
+class Refusal(NamedTuple):
+    """Why an admin call is refused: ``code`` is a gRPC status code's name (UNAUTHENTICATED: no
+    key or no known key was sent; PERMISSION_DENIED: the caller is known, or is where it is, and
+    may not make the call); ``message`` names what is missing, never a key."""
+
+    code: str
+    message: str
+
+    @property
+    def http_status(self) -> int:
+        return 401 if self.code == "UNAUTHENTICATED" else 403
+
+
+def admin_call_refusal(ring: KeyRing, authorization: str | None, peer: str,
+                       call: str = "Shutdown") -> Refusal | None:
+    """None when ``call`` (an admin call) may go ahead for a caller that sent ``authorization``
+    (the header or metadata value) from ``peer`` (a gRPC peer string); else why not.
+
+    With admin keys set, an admin key is what counts, from anywhere: no key or an unknown one is
+    UNAUTHENTICATED, an ordinary API key PERMISSION_DENIED. Without admin keys, the call is taken
+    only from a loopback peer, with an API key when API keys are set. The ring's match runs in
+    every case, so the time taken says nothing about which rule applied to a key."""
+    index = ring.authenticate(authorization)
+    sent = bearer_token(authorization) is not None
+    how = "send one as 'authorization: Bearer <admin key>' (pdserve shutdown --admin-api-key)"
+    if ring.admin_enabled:
+        if index is None:
+            what = "the key sent is not one of this router's keys" if sent else "no key was sent"
+            return Refusal("UNAUTHENTICATED", f"{call} is an admin call and needs an admin API key: "
+                                              f"{what}; {how}")
+        if not ring.is_admin(index):
+            return Refusal("PERMISSION_DENIED", f"{call} is an admin call and needs an admin API key: "
+                                                f"the key sent is an API key, not an admin key "
+                                                f"(the router's --admin-api-key); {how}")
+        return None
+    if ring.enabled and index is None:
+        return Refusal("UNAUTHENTICATED", UNAUTHENTICATED_MESSAGE)
+    if not peer_is_loopback(peer):
+        return Refusal("PERMISSION_DENIED", f"{call} is an admin call, and this router has no admin "
+                                            f"API key (--admin-api-key), so it takes {call} only "
+                                            f"from its own machine (a loopback peer), not from {peer}")
+    return None
 
 
 # ---------------------------------------------------------------------- TLS
@@ -245,7 +411,7 @@ def is_loopback(host: str) -> bool:
     if host in LOOPBACK_NAMES:
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return _ip_is_loopback(ipaddress.ip_address(host))
     except ValueError:
         return False
 
@@ -266,6 +432,7 @@ class DoorSecurity:
     key. The addresses are the bound ones ("" for a door that is off)."""
 
     api_keys: int = 0
+    admin_api_keys: int = 0
     tls: bool = False
     mutual_tls: bool = False
     max_inflight_per_key: int | None = None

@@ -8,7 +8,8 @@
 
 A router behind API keys and TLS: ``Client("https://router.example:50051", api_key=KEY,
 tls_ca="ca.pem")`` (``api_key`` defaults to $PDSERVE_API_KEY; ``tls_client_cert`` and
-``tls_client_key`` for mutual TLS).
+``tls_client_key`` for mutual TLS). ``admin_api_key`` (default $PDSERVE_ADMIN_API_KEY) is sent
+on the admin calls (``shutdown``) alone, in place of ``api_key``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Iterator, Sequence
 import grpc
 import grpc.experimental
 
-from .auth import SecurityConfigError, client_api_key, split_target
+from .auth import SecurityConfigError, client_admin_api_key, client_api_key, split_target
 from .rpc import router_pb2 as pb
 from .rpc import router_pb2_grpc
 
@@ -37,7 +38,8 @@ class Completion:
 
 @dataclass(frozen=True)
 class Connection:
-    """How to reach a router: its host:port, TLS or not, and the key each call carries.
+    """How to reach a router: its host:port, TLS or not, the key each call carries, and the
+    admin key the admin calls carry instead (when there is one).
 
     ``from_target`` takes ``host:port`` or ``https://host:port`` / ``grpcs://`` (TLS) /
     ``http://`` / ``grpc://``; a CA file, a client certificate or ``tls=True`` turn TLS on for a
@@ -49,11 +51,13 @@ class Connection:
     tls_ca: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
+    admin_api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_target(cls, address: str, *, api_key: str | None = None, tls: bool | None = None,
                     tls_ca: str | None = None, tls_client_cert: str | None = None,
-                    tls_client_key: str | None = None) -> "Connection":
+                    tls_client_key: str | None = None,
+                    admin_api_key: str | None = None) -> "Connection":
         target, scheme_tls = split_target(address)
         if tls is None:
             tls = scheme_tls if scheme_tls is not None else bool(tls_ca or tls_client_cert)
@@ -61,12 +65,22 @@ class Connection:
             raise SecurityConfigError(f"--tls-ca/--tls-client-cert: {address} is a plaintext target")
         if bool(tls_client_cert) != bool(tls_client_key):
             raise SecurityConfigError("--tls-client-cert: needs --tls-client-key too (and the other way)")
-        return cls(target, tls, client_api_key(api_key), tls_ca, tls_client_cert, tls_client_key)
+        return cls(target, tls, client_api_key(api_key), tls_ca, tls_client_cert, tls_client_key,
+                   client_admin_api_key(admin_api_key))
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         """Per-call metadata (sent over plaintext too, where call credentials would not be)."""
         return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else None
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """For the admin calls: the admin key when there is one (the router accepts it as an API
+        key too), else the API key; one bearer token per call either way. The admin key goes on
+        no other call, so a client that holds one shows it to the router no more than needed."""
+        if self.admin_api_key:
+            return (("authorization", f"Bearer {self.admin_api_key}"),)
+        return self.metadata
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:
@@ -101,10 +115,12 @@ class Connection:
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", *, timeout_s: float = 600.0,
                  api_key: str | None = None, tls: bool | None = None, tls_ca: str | None = None,
-                 tls_client_cert: str | None = None, tls_client_key: str | None = None) -> None:
+                 tls_client_cert: str | None = None, tls_client_key: str | None = None,
+                 admin_api_key: str | None = None) -> None:
         self.connection = Connection.from_target(address, api_key=api_key, tls=tls, tls_ca=tls_ca,
                                                  tls_client_cert=tls_client_cert,
-                                                 tls_client_key=tls_client_key)
+                                                 tls_client_key=tls_client_key,
+                                                 admin_api_key=admin_api_key)
         self.address = self.connection.target
         self.timeout_s = timeout_s
         self.metadata = self.connection.metadata
@@ -208,8 +224,10 @@ class Client:
         return self.stub.GetClusterStatus(pb.ClusterStatusRequest(), timeout=60, metadata=self.metadata)
 
     def shutdown(self, timeout_s: float = 60.0) -> pb.ShutdownResponse:
-        """Stop the router's pdserve cluster (its workers, then the router; never Ray)."""
-        return self.stub.Shutdown(pb.ShutdownRequest(), timeout=timeout_s, metadata=self.metadata)
+        """Stop the router's pdserve cluster (its workers, then the router; never Ray). An admin
+        call: it carries the admin key (``admin_api_key``) when there is one."""
+        return self.stub.Shutdown(pb.ShutdownRequest(), timeout=timeout_s,
+                                  metadata=self.connection.admin_metadata)
 
 
 def router_accepts(host: str, port: int, attempts: int = 3) -> bool:
@@ -242,13 +260,22 @@ def add_connection_arguments(parser) -> None:
     g.add_argument("--tls-client-key", default=None, metavar="FILE")
 
 
+def add_admin_arguments(parser) -> None:
+    """The admin key flag, for the commands that make admin calls (``pdserve shutdown``)."""
+    parser.add_argument("--admin-api-key", default=None, metavar="KEY",
+                        help="the router's admin API key (default: $PDSERVE_ADMIN_API_KEY), sent "
+                             "instead of --api-key on the admin call; needed when the router has "
+                             "admin keys (without them it takes Shutdown only from its own machine)")
+
+
 def connection_from_args(args, address: str) -> Connection:
     return Connection.from_target(address, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
                                   tls_client_cert=args.tls_client_cert,
-                                  tls_client_key=args.tls_client_key)
+                                  tls_client_key=args.tls_client_key,
+                                  admin_api_key=getattr(args, "admin_api_key", None))
 
 
 def client_from_connection(connection: Connection, **kwargs) -> Client:
     c = connection
     return Client(c.target, api_key=c.api_key, tls=c.tls, tls_ca=c.tls_ca, tls_client_cert=c.tls_client_cert,
-                  tls_client_key=c.tls_client_key, **kwargs)
+                  tls_client_key=c.tls_client_key, admin_api_key=c.admin_api_key, **kwargs)

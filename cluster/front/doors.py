@@ -1,7 +1,7 @@
 """``FrontDoors``: opens and closes the router's front doors (gRPC always, OpenAI HTTP when
-``http_port`` is set) over one router core, with what they share: one ``KeyRing`` (so a key's
-cap on requests in flight counts across both doors) and one TLS configuration. The router actor
-(``cluster/router_actor.py``) is the one caller."""
+``http_port`` is set) over one router core, with what they share: one ``KeyRing`` of API and
+admin keys (so a key's cap on requests in flight counts across both doors) and one TLS
+configuration. The router actor (``cluster/router_actor.py``) is the one caller."""
 from __future__ import annotations
 
 import logging
@@ -26,7 +26,7 @@ class FrontDoors:
         self.api = api
         self.config = config
         self.model_dir = model_dir
-        self.keys = KeyRing(config.api_keys, config.max_inflight_per_key)
+        self.keys = KeyRing(config.api_keys, config.max_inflight_per_key, admin_keys=config.admin_api_keys)
         doors = [("gRPC", config.host)] + ([("HTTP", config.http_host)] if config.http_port is not None else [])
         self.warnings = exposure_warnings(doors, api_keys=self.keys.enabled,
                                           tls=config.tls_cert is not None)
@@ -60,14 +60,18 @@ class FrontDoors:
     def security(self) -> DoorSecurity:
         cfg = self.config
         return DoorSecurity(
-            api_keys=len(self.keys), tls=cfg.tls_cert is not None, mutual_tls=cfg.tls_client_ca is not None,
+            api_keys=self.keys.api_keys, admin_api_keys=self.keys.admin_keys,
+            tls=cfg.tls_cert is not None, mutual_tls=cfg.tls_client_ca is not None,
             max_inflight_per_key=cfg.max_inflight_per_key, warnings=tuple(self.warnings),
             grpc_address=f"{cfg.host}:{self.grpc_port}" if self.grpc_port is not None else "",
             http_address=f"{cfg.http_host}:{self.http_port}" if self.http_port is not None else "")
 
     def _summary(self) -> str:
         cfg = self.config
-        keys = (f"{len(self.keys)} API keys {', '.join(self.keys.fingerprints)}" if self.keys.enabled
+        ring = self.keys
+        keys = (f"{ring.api_keys} API keys {', '.join(ring.fingerprints[:ring.api_keys])}" if ring.enabled
                 else "no API key")
+        keys += (f", {ring.admin_keys} admin keys {', '.join(ring.fingerprints[ring.api_keys:])}"
+                 if ring.admin_enabled else ", no admin key (Shutdown from loopback only)")
         tls = ("mutual TLS" if cfg.tls_client_ca else "TLS") if cfg.tls_cert else "no TLS"
         return f"{keys}, {tls}"

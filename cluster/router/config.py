@@ -54,6 +54,9 @@ class RouterConfig:
     # token (health stays open); empty: no key needed. repr=False: a config printed or logged
     # never shows them.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Admin keys: only these may make the admin calls (gRPC Shutdown); they are accepted as API
+    # keys too. Empty: admin calls are taken only from a loopback peer.
+    admin_api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_inflight_per_key: int | None = None  # requests in flight per key, both doors; None: no cap
     # TLS on both doors (PEM paths on the router's node); tls_client_ca: mutual TLS, a client
     # certificate signed by this CA is required.
@@ -66,6 +69,12 @@ class RouterConfig:
             raise ValueError(f"kv_transfer_mode: must be one of {', '.join(KV_TRANSFER_MODES)}, "
                              f"got {self.kv_transfer_mode!r}")
         object.__setattr__(self, "api_keys", tuple(check_key(k, "api_keys") for k in self.api_keys))
+        object.__setattr__(self, "admin_api_keys",
+                           tuple(check_key(k, "admin_api_keys") for k in self.admin_api_keys))
+        both = len(set(self.api_keys) & set(self.admin_api_keys))
+        if both:  # which kind would it be? Refused rather than guessed; the key is not named
+            raise ValueError(f"admin_api_keys: {both} key(s) also given as API keys; an admin key "
+                             f"is accepted as an API key already, so give each key once")
         if self.max_inflight_per_key is not None and self.max_inflight_per_key < 1:
             raise ValueError(f"max_inflight_per_key: must be >= 1, got {self.max_inflight_per_key!r}")
         if self.max_inflight_per_key is not None and not self.api_keys:

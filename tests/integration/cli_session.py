@@ -71,7 +71,7 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         info = json.loads(line)
         assert info["grpc"] == f"127.0.0.1:{port}" and info["workers"] == ["ctx-0", "gen-0"]
         assert info["http"] == f"127.0.0.1:{http_port}"
-        assert info["security"] == {"api_keys": 1, "tls": False, "mutual_tls": False,
+        assert info["security"] == {"api_keys": 1, "admin_api_keys": 0, "tls": False, "mutual_tls": False,
                                     "max_inflight_per_key": None, "warnings": []}
         outputs.append(line)
         auth = {"Authorization": f"Bearer {API_KEY}"}

@@ -57,6 +57,11 @@ def test_bad_security_flags_are_refused_before_anything_starts(tmp_path):
         (["launch", "--api-key-file", str(tmp_path / "missing")], "--api-key-file: cannot read"),
         (["launch", "--api-key", "two words"], "--api-key: a key must be visible ASCII"),
         (["launch", "--max-inflight-per-key", "2"], "max_inflight_per_key: needs API keys"),
+        (["launch", "--admin-api-key-file", str(tmp_path / "missing")], "--admin-api-key-file: cannot read"),
+        (["launch", "--admin-api-key", "two words"], "--admin-api-key: a key must be visible ASCII"),
+        (["launch", "--api-key", "pdk-same", "--admin-api-key", "pdk-same"],
+         "admin_api_keys: 1 key(s) also given as API keys"),
+        (["shutdown", "--port", "1", "--admin-api-key", "two words"], "--admin-api-key: a key must be visible"),
         (["generate", "--host", "http://127.0.0.1", "--tls-ca", str(cert), "--prompt", "x"], "plaintext target"),
     ]
     for args, message in cases:

@@ -3,7 +3,14 @@
 while keys are required, reflection and GetClusterStatus closed, the per-key cap of requests
 in flight (429 / RESOURCE_EXHAUSTED), HTTPS and gRPC over TLS with a CA made here, mutual TLS
 refusing a client without a certificate, the warning for an unprotected non-loopback bind,
-and no key in any log or status output.
+no key in any log or status output, and Shutdown as an admin call: refused to an ordinary API
+key and taken with an admin key (the module's last test: it stops the cluster).
+
+Shutdown's other rules need a router that a successful Shutdown does not take down: a keyless
+door over a stand-in core (the real ``FrontDoors`` and gRPC server on both loopbacks, a
+recording shutdown hook) takes it from 127.0.0.1 and from ::1; the refusal from a non-loopback
+peer is tested on the servicer with a call context whose peer is ``ipv4:10.1.2.3:5555``, since
+the tests may reach only loopback addresses.
 
 One cluster serves every test: a new router configuration is a router restart on the same
 workers (``Cluster.restart_router``), a few seconds instead of a cluster launch. The tests run
@@ -17,8 +24,11 @@ import ipaddress
 import json
 import os
 import ssl
+import asyncio
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,7 +47,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc  # noqa: E402
 
 import cluster_util as U  # noqa: E402
+from pdserve.cluster.auth import DoorSecurity, KeyRing  # noqa: E402
 from pdserve.cluster.client import Client  # noqa: E402
+from pdserve.cluster.front.doors import FrontDoors  # noqa: E402
+from pdserve.cluster.front.grpc.servicer import RouterServicer  # noqa: E402
 from pdserve.cluster.router import RouterConfig  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -46,8 +59,9 @@ ENGINE = dict(U.ENGINE, max_input_len=96, max_seq_len=2048)
 KEY_A = "pdk-alpha-7Hq2Zx91LmPw"
 KEY_B = "pdk-bravo-Qe4Rt8Yu0Iop"
 WRONG = "pdk-wrong-Zz9Yy8Xx7Ww6"
-SECRETS = (KEY_A, KEY_B, WRONG)
-KEYED = dict(api_keys=(KEY_A, KEY_B), max_inflight_per_key=1)
+ADMIN = "pdk-admin-Lk3Jh5Gf7Ds9"
+SECRETS = (KEY_A, KEY_B, WRONG, ADMIN)
+KEYED = dict(api_keys=(KEY_A, KEY_B), admin_api_keys=(ADMIN,), max_inflight_per_key=1)
 BENCH = ["--num-requests", "3", "--time-scale", "0.2", "--max-input-len", "32", "--max-output-len", "4",
          "--no-progress", "--warmup", "1", "--out-dir", ""]
 TIMEOUT_S = 60.0
@@ -125,6 +139,7 @@ def configure(cl, **router) -> None:
 def no_openai_key_in_env(monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_ADMIN_API_KEY", raising=False)
 
 
 def oa(cl, key: str, *, https: bool = False, ca: str | None = None, cert=None) -> openai.OpenAI:
@@ -198,6 +213,152 @@ def bearer(key: str):
 
 
 # ---------------------------------------------------------------------- tests
+# ---------------------------------------------------------------------- Shutdown without a cluster
+
+class IdleCore:
+    """What a door that serves only Shutdown and health asks of the router core."""
+
+    serving = True
+    accepting = True
+
+    def add_health_listener(self, listener) -> None:
+        pass
+
+
+SHUTDOWN_REPLY = ("ray-test:6379", ["pdserve-gen-0", "pdserve-router"])
+
+
+class DoorOnly:
+    """The real ``FrontDoors`` (gRPC door only) over ``IdleCore`` on an event loop of its own,
+    as the router actor runs it; its Shutdown hook only counts the calls that got through."""
+
+    def __init__(self, **router) -> None:
+        self.shutdowns = 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def hook():
+            self.shutdowns += 1
+            return SHUTDOWN_REPLY
+
+        async def start():
+            self.doors = FrontDoors(IdleCore(), RouterConfig(port=0, **router), shutdown=hook)
+            return await self.doors.start()
+
+        self.port, _ = self._run(start())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(TIMEOUT_S)
+
+    def close(self) -> None:
+        self._run(self.doors.stop(0.5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(TIMEOUT_S)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+class Aborted(Exception):
+    pass
+
+
+class CallContext:
+    """A handler's view of a gRPC call: its peer and its metadata; abort raises, as grpc.aio's
+    does."""
+
+    def __init__(self, peer: str, key: str | None = None) -> None:
+        self._peer = peer
+        self._metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        self.code = self.details = None
+
+    def peer(self) -> str:
+        return self._peer
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort(self, code, details):
+        self.code, self.details = code, details
+        raise Aborted(code)
+
+
+NOT_A_MESSAGE = b"\xff\xff not a ShutdownRequest"
+
+
+def servicer_shutdown(keys: KeyRing, peer: str, key: str | None = None,
+                      data: bytes = b"") -> tuple[grpc.StatusCode | None, str, int]:
+    """(status code or None when it went through, details, hook calls) of one Shutdown call made
+    at the servicer's bytes entry point, the one the gRPC server calls (b"": a valid, empty
+    ShutdownRequest; ``NOT_A_MESSAGE``: a refusal must come before the request is read)."""
+    calls = []
+
+    async def hook():
+        calls.append(1)
+        return SHUTDOWN_REPLY
+
+    servicer = RouterServicer(IdleCore(), lambda: DoorSecurity(grpc_address="10.0.0.1:50051"), keys, hook)
+    context = CallContext(peer, key)
+
+    async def call():
+        try:
+            reply = await servicer._shutdown_bytes(data, context)
+        except Aborted:
+            return context.code, context.details
+        return None, str(reply)
+
+    code, details = asyncio.run(call())
+    return code, details, len(calls)
+
+
+def test_keyless_router_takes_shutdown_from_both_loopbacks():
+    """A keyless router takes Shutdown from its own machine over IPv4 and IPv6. gRPC writes an
+    IPv6 peer as ``ipv6:%5B::1%5D:port``: the loopback rule refused it before it decoded that.
+    The door binds ``localhost``, which gRPC binds on 127.0.0.1 and ::1 with one port."""
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) on this machine")
+    door = DoorOnly(host="localhost")
+    try:
+        for target in (f"ipv4:127.0.0.1:{door.port}", f"ipv6:[::1]:{door.port}"):
+            with Client(target, timeout_s=TIMEOUT_S) as c:
+                reply = c.shutdown(timeout_s=TIMEOUT_S)
+            assert (reply.ray_address, list(reply.actors)) == (SHUTDOWN_REPLY[0], SHUTDOWN_REPLY[1]), target
+        assert door.shutdowns == 2
+    finally:
+        door.close()
+
+
+def test_shutdown_from_a_non_loopback_peer_is_refused():
+    """On the servicer, with a call context whose peer is another machine's (the tests reach
+    only loopback addresses, so no real connection can come from one)."""
+    remote, ipv6_loopback = "ipv4:10.1.2.3:5555", "ipv6:%5B::1%5D:41000"
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    # No admin keys: from afar, refused, with or without API keys, and whatever API key is sent
+    # (it was taken with any API key before Shutdown became an admin call); the hook never runs
+    # and the request is never read. From ::1 the same caller is let in.
+    for keys, key in ((KeyRing([KEY_A]), KEY_A), (KeyRing(), None)):
+        code, details, calls = servicer_shutdown(keys, remote, key, NOT_A_MESSAGE)
+        assert (code, calls) == (denied, 0), details
+        assert "no admin API key (--admin-api-key)" in details and f"not from {remote}" in details
+        assert servicer_shutdown(keys, ipv6_loopback, key)[::2] == (None, 1)
+    # Admin keys: the key counts, not where the call comes from.
+    ring = KeyRing([KEY_A], admin_keys=[ADMIN])
+    code, details, calls = servicer_shutdown(ring, remote, KEY_A, NOT_A_MESSAGE)
+    assert (code, calls) == (denied, 0) and "not an admin key" in details and KEY_A not in details
+    assert servicer_shutdown(ring, ipv6_loopback, KEY_A)[::2] == (denied, 0)  # loopback changes nothing
+    code, details, calls = servicer_shutdown(ring, remote, None, NOT_A_MESSAGE)
+    assert (code, calls) == (grpc.StatusCode.UNAUTHENTICATED, 0) and "no key was sent" in details
+    code, details, calls = servicer_shutdown(ring, remote, ADMIN)
+    assert (code, calls) == (None, 1) and "ray-test:6379" in details and ADMIN not in details
+
+
 
 def test_api_keys_on_http_and_grpc_with_health_open(cluster):
     configure(cluster, **KEYED)
@@ -214,10 +375,11 @@ def test_api_keys_on_http_and_grpc_with_health_open(cluster):
         assert body["error"]["code"] == "invalid_api_key" and "Bearer" in body["error"]["message"]
     assert raw(cluster, "GET", "/health") == (200, {"status": "ok"})  # open for load balancers
     assert raw(cluster, "GET", "/metrics", key=KEY_B)[0] == 200
+    assert complete(oa(cluster, ADMIN)) == "length"  # an admin key is an API key too
 
     # gRPC: the same keys as metadata; health open; reflection and status need a key.
     target = f"127.0.0.1:{cluster.port}"
-    assert grpc_generate(target, KEY_A) == 4
+    assert grpc_generate(target, KEY_A) == 4 and grpc_generate(target, ADMIN) == 4
     assert grpc_code(lambda: grpc_generate(target, None)) == grpc.StatusCode.UNAUTHENTICATED
     assert grpc_code(lambda: grpc_generate(target, WRONG)) == grpc.StatusCode.UNAUTHENTICATED
     with grpc.insecure_channel(target) as ch:
@@ -230,6 +392,7 @@ def test_api_keys_on_http_and_grpc_with_health_open(cluster):
         status = c.status()
     s = status.security
     assert (s.api_keys, s.tls, s.mutual_tls, s.max_inflight_per_key, list(s.warnings)) == (2, False, False, 1, [])
+    assert s.admin_api_keys == 1
     assert s.grpc_address == target and s.http_address == f"127.0.0.1:{cluster.http_port}"
     assert not any(k in str(status) for k in SECRETS)
 
@@ -352,10 +515,38 @@ def test_no_key_in_any_log_or_status_output(cluster):
         assert out.returncode == 0, out.stderr
     assert "gen-0" in outputs[2].stdout  # top drew the workers, having passed the key
     assert "API keys 2" in outputs[0].stdout and json.loads(outputs[1].stdout)["security"]["apiKeys"] == 2
+    assert "admin keys 1" in outputs[0].stdout and json.loads(outputs[1].stdout)["security"]["adminApiKeys"] == 1
     logs = _ray_logs()  # the router's log among them (the warning test above finds its lines there)
     assert logs
     for text in [logs, str(ray.get(cluster.router.debug_state.remote(), timeout=U.RAY_TIMEOUT_S)),
                  repr(cluster.router_config)] + [o.stdout + o.stderr for o in outputs]:
+        assert not any(k in text for k in SECRETS)
+
+
+def test_shutdown_needs_an_admin_key_and_an_admin_key_stops_the_cluster(cluster):
+    """Last in the module: it stops the cluster. An ordinary API key is refused (it stopped the
+    cluster before admin keys), from loopback too; the admin key stops it, through
+    `pdserve shutdown` with the key in $PDSERVE_ADMIN_API_KEY."""
+    configure(cluster, **KEYED)
+    target = f"127.0.0.1:{cluster.port}"
+    for key, code in ((KEY_A, grpc.StatusCode.PERMISSION_DENIED), (None, grpc.StatusCode.UNAUTHENTICATED),
+                      (WRONG, grpc.StatusCode.UNAUTHENTICATED)):
+        with Client(target, api_key=key) as c:
+            assert grpc_code(lambda: c.shutdown(timeout_s=TIMEOUT_S)) == code, key
+    env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY")}
+    refused = subprocess.run([*PDSERVE, "shutdown", "--port", str(cluster.port), "--api-key", KEY_A],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stderr.startswith("error: PERMISSION_DENIED: Shutdown is an admin call and needs an "
+                                     "admin API key: the key sent is an API key, not an admin key")
+    assert grpc_generate(target, KEY_B) == 4  # refused calls stopped nothing
+
+    stopped = subprocess.run([*PDSERVE, "shutdown", "--port", str(cluster.port)], capture_output=True,
+                             text=True, timeout=180, env={**env, "PDSERVE_ADMIN_API_KEY": ADMIN})
+    assert stopped.returncode == 0, stopped.stderr
+    assert "pdserve-ctx-0, pdserve-gen-0, pdserve-router" in stopped.stdout and "has stopped" in stopped.stdout
+    U.wait_for(lambda: not ray.util.list_named_actors(all_namespaces=True), 60, "pdserve's actors to go")
+    for text in (_ray_logs(), refused.stdout + refused.stderr, stopped.stdout + stopped.stderr):
         assert not any(k in text for k in SECRETS)
 
 

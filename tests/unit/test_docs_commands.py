@@ -304,7 +304,8 @@ def _check_pdserve(args: list[str], where: str, monkeypatch, tmp_path) -> None:
 
 def _check_launch_values(ns: argparse.Namespace, what: str, monkeypatch, tmp_path) -> None:
     """The values of a launch line through the real config path, with placeholder files made
-    up: a key file with one key, an empty --config file; TLS files are not read."""
+    up: a key file with one key (and an admin key file with another), an empty --config file;
+    TLS files are not read."""
     from pdserve.cli.main import launch_config_from_args
     from pdserve.cluster import auth
     from pdserve.workers.config import EngineConfig
@@ -315,6 +316,9 @@ def _check_launch_values(ns: argparse.Namespace, what: str, monkeypatch, tmp_pat
     if ns.api_key_file is not None:
         ns.api_key_file = str(tmp_path / "keys")
         (tmp_path / "keys").write_text("# placeholder\npdk-docs-placeholder-key\n")
+    if ns.admin_api_key_file is not None:  # another key: a key may not be both kinds
+        ns.admin_api_key_file = str(tmp_path / "admin-keys")
+        (tmp_path / "admin-keys").write_text("# placeholder\npdk-docs-placeholder-admin-key\n")
     if ns.config is not None:
         ns.config = str(tmp_path / "empty.yaml")
         (tmp_path / "empty.yaml").write_text("{}\n")

@@ -131,7 +131,8 @@ def cluster_status_proto(snap: ClusterSnapshot, security: DoorSecurity):
 
 def security_proto(s: DoorSecurity):
     """How the front doors are protected: counts and flags, never a key."""
-    return pb.FrontDoorSecurity(api_keys=s.api_keys, tls=s.tls, mutual_tls=s.mutual_tls,
+    return pb.FrontDoorSecurity(api_keys=s.api_keys, admin_api_keys=s.admin_api_keys, tls=s.tls,
+                                mutual_tls=s.mutual_tls,
                                 max_inflight_per_key=s.max_inflight_per_key or 0,
                                 warnings=list(s.warnings), grpc_address=s.grpc_address,
                                 http_address=s.http_address)

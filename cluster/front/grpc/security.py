@@ -3,8 +3,11 @@ interceptor that asks every call for an API key (``authorization: Bearer <key>``
 caps each key's Generate calls in flight, and the server's TLS credentials.
 
 grpc.health.v1 stays open so that load balancers can probe it; everything else, reflection and
-GetClusterStatus included, needs a key when keys are set. A refused call is answered without
-reading its request: the deny handlers take raw bytes and never parse them."""
+GetClusterStatus included, needs a key when keys are set (an admin key is accepted too). The
+admin calls (``ADMIN_METHODS``) pass through untouched: their handlers decide with
+``auth.admin_call_refusal``, which needs the caller's peer address, and a handler context has
+it where the interceptor's call details do not. A refused call is answered without reading its
+request: the deny handlers take raw bytes and never parse them."""
 from __future__ import annotations
 
 import grpc
@@ -15,6 +18,8 @@ from pdserve.cluster.rpc import ROUTER_SERVICE_NAME
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 # Calls that are requests (they hold the router's capacity) and count against a key's cap.
 LIMITED_METHODS = frozenset({f"/{ROUTER_SERVICE_NAME}/Generate"})
+# Calls only an admin key (or, without admin keys, a loopback peer) may make; the servicer checks.
+ADMIN_METHODS = frozenset({f"/{ROUTER_SERVICE_NAME}/Shutdown"})
 
 
 def _metadata(details: grpc.HandlerCallDetails, name: str) -> str | None:
@@ -71,7 +76,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if details.method.startswith(OPEN_PREFIXES):
+        if details.method.startswith(OPEN_PREFIXES) or details.method in ADMIN_METHODS:
             return handler
         index = self.ring.authenticate(_metadata(details, "authorization"))
         if index is None:

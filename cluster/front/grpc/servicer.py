@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.cluster.auth import DoorSecurity, KeyRing, is_loopback
+from pdserve.cluster.auth import DoorSecurity, KeyRing, admin_call_refusal
 from pdserve.cluster.router import RouterConfig, RouterError
 from pdserve.cluster.router.api import FrontDoorApi
 from pdserve.cluster.rpc import ROUTER_SERVICE_NAME, router_pb2 as pb
@@ -40,13 +40,12 @@ async def _parse(message_type, data: bytes, context):
                             f"request: not a valid {message_type.DESCRIPTOR.full_name} message ({exc})")
 
 
-def _peer_is_loopback(peer: str) -> bool:
-    """``context.peer()`` is "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000" or "unix:..."."""
-    if peer.startswith("unix:"):
-        return True
-    host = peer.split(":", 1)[1] if ":" in peer else peer
-    host = host.rsplit(":", 1)[0].strip("[]")
-    return is_loopback(host)
+def _authorization(context) -> str | None:
+    """The call's ``authorization`` metadata value (gRPC lower-cases metadata keys)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
 
 
 class RouterServicer:
@@ -83,7 +82,18 @@ class RouterServicer:
         return await self.GetClusterStatus(await _parse(pb.ClusterStatusRequest, data, context), context)
 
     async def _shutdown_bytes(self, data: bytes, context):
-        return await self.Shutdown(await _parse(pb.ShutdownRequest, data, context), context)
+        # Decided before the request is read, as the interceptor does for the other methods.
+        await self._admit_admin(context, "Shutdown")
+        return await self._shutdown(await _parse(pb.ShutdownRequest, data, context), context)
+
+    async def _admit_admin(self, context, call: str) -> None:
+        """Abort the call unless its caller may make admin call ``call`` (auth.admin_call_refusal:
+        an admin key when admin keys are set; else a loopback peer, with an API key when keys are
+        set). The interceptor lets admin calls through, so this is their whole check."""
+        refusal = admin_call_refusal(self.keys, _authorization(context), context.peer(), call)
+        if refusal is not None:
+            log.warning("%s refused to %s: %s", call, context.peer(), refusal.code)
+            await context.abort(getattr(grpc.StatusCode, refusal.code), refusal.message)
 
     async def Generate(self, request, context):
         api = self.api
@@ -111,16 +121,17 @@ class RouterServicer:
 
     async def Shutdown(self, request, context):
         """Stop this router's pdserve cluster (its workers, then the router itself); never the
-        Ray cluster. Like every method but health, it needs an API key when keys are set (the
-        interceptor) and a client certificate under mutual TLS; without keys it is taken only
-        from this machine (a loopback peer), so an open router bound beyond loopback cannot be
-        stopped from afar."""
+        Ray cluster. An admin call: with admin keys set it needs one of them (from anywhere);
+        without, it is taken only from this machine (a loopback peer), with an API key when
+        keys are set, so a router bound beyond loopback cannot be stopped from afar by whoever
+        holds an ordinary key. Under mutual TLS a client certificate is needed first, as for
+        every call."""
+        await self._admit_admin(context, "Shutdown")
+        return await self._shutdown(request, context)
+
+    async def _shutdown(self, request, context):
         if self.shutdown is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router cannot shut its cluster down")
-        if not self.keys.enabled and not _peer_is_loopback(context.peer()):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "Shutdown: without API keys the router takes it only from its own "
-                                f"machine, not from {context.peer()}; start it with --api-key")
         ray_address, actors = await self.shutdown()
         log.warning("shutdown asked by %s: stopping %s", context.peer(), ", ".join(actors))
         return pb.ShutdownResponse(ray_address=ray_address, actors=actors,
