@@ -230,6 +230,10 @@ class WorkerInfo:
     request_token: str  # the request channel's hello token
     node_id: str = ""  # the Ray node it runs on (hex id) and that node's IP; "" off Ray
     node_ip: str = ""
+    # The model as the worker was launched with it (a directory, or a Hub repo id) and the dtype
+    # its weights run at ("bfloat16", ...): what `pdserve status` and `top` show; "" unknown.
+    model: str = ""
+    dtype: str = ""
 
 
 @dataclass(frozen=True, slots=True)
