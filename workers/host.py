@@ -40,6 +40,7 @@ from pdserve.transport.requests import (
     WorkerStatus,
 )
 
+from .admission import max_request_tokens
 from .config import EngineConfig
 from .engine_core import EngineCore
 from .kv_control import ControlPlane, KVControl
@@ -248,6 +249,7 @@ class WorkerHost:
             num_kv_blocks=ex.kv.num_blocks, tokens_per_block=self.config.tokens_per_block,
             max_batch_size=self.config.max_batch_size, max_input_len=ex.max_input_len,
             max_seq_len=ex.max_seq_len, max_num_tokens=self.config.max_num_tokens,
+            max_request_tokens=max_request_tokens(ex.kv, ex.limits.pool_blocks, ex.max_seq_len),
             vocab_size=vocab_size,
             endpoint=ex.transceiver.endpoint if ex.transceiver is not None else "",
             incarnation=self.incarnation,

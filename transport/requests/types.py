@@ -234,6 +234,11 @@ class WorkerInfo:
     # its weights run at ("bfloat16", ...): what `pdserve status` and `top` show; "" unknown.
     model: str = ""
     dtype: str = ""
+    # The longest prompt + output one request (one candidate) can have here, by the worker's
+    # own KV manager's bound against its pool (workers/admission.py ``max_request_tokens``):
+    # at most max_seq_len, and more than the pool's tokens under a sliding window. None: not
+    # reported (the router then assumes full attention: the pool's tokens).
+    max_request_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
