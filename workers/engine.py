@@ -88,6 +88,19 @@ def kv_pool_size(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) ->
     return num_blocks, per_block
 
 
+def planned_bytes(model_dir: str | Path, config: EngineConfig,
+                  device: str) -> tuple[int, int, torch.dtype]:
+    """(weight bytes, KV pool bytes, dtype) a worker loading ``model_dir`` (a local directory)
+    with ``config`` on ``device`` will take, from config.json and the safetensors headers alone:
+    what ``build_executor`` checks against the device before reading a weight, and what a
+    launch sums over the workers it places on one node (cluster/node_memory.py)."""
+    mcfg = load_config(model_dir)
+    dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
+    blocks, per_block = kv_pool_size(config, mcfg, dtype)
+    blocks += 1 if sliding_window_of(mcfg) is not None else 0  # the scratch block
+    return checkpoint_bytes(model_dir, dtype, mcfg), blocks * per_block, dtype
+
+
 # Largest decode batch replayed as a CUDA graph (vLLM's default capture limit is 512 too);
 # bigger decode batches run eagerly.
 MAX_GRAPH_BATCH = 512
@@ -107,11 +120,8 @@ def build_executor(
         loaded = model
     else:
         model_dir = resolve_model_dir(model)
-        mcfg = load_config(model_dir)
-        dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
-        blocks, per_block = kv_pool_size(config, mcfg, dtype)
-        blocks += 1 if sliding_window_of(mcfg) is not None else 0  # the scratch block
-        check_memory(checkpoint_bytes(model_dir, dtype, mcfg), blocks * per_block, dtype, device)
+        weight_bytes, kv_bytes, dtype = planned_bytes(model_dir, config, device)
+        check_memory(weight_bytes, kv_bytes, dtype, device)
         loaded = load_model(model_dir, dtype=dtype, device=device)
     mcfg = loaded.config
     max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
