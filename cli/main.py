@@ -65,6 +65,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=["hermes"], default=None,
                         help="how tool calls are read from the model's output for tool_choice "
                              "auto (hermes: Hermes/Qwen <tool_call> JSON); forced calls need none")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true", default=None,
+                        help="HTTP logprobs name tokens 'token_id:{id}' rather than by text (vLLM's "
+                             "flag; a request's return_tokens_as_token_ids overrides it)")
     parser.add_argument("--config", help="YAML file with any of these options (flags override it)")
     parser.add_argument("--routing", choices=["round-robin", "least-loaded", "kv-aware"],
                         help="how workers are picked (default round-robin); kv-aware routes on the "
@@ -196,7 +199,7 @@ def launch_config_from_args(args: argparse.Namespace):
     router = dict(data.get("router") or {})
     for key in ("routing", "kv_overlap_weight", "kv_decode_weight", "max_local_prefill_length", "max_queue", "max_retries", "worker_wait_s", "agent_percentage",
                 "http_port", "http_host", "served_model_name", "kv_transfer_mode", "host",
-                "tool_call_parser",
+                "tool_call_parser", "return_tokens_as_token_ids",
                 "max_inflight_per_key", "tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(args, key, None)
         if value is not None:

@@ -320,6 +320,21 @@ def router_lines(status: Any) -> list[Text]:
     ]
 
 
+def model_lines(status: Any) -> list[Text]:
+    """The model and dtype the workers run: one line when every worker that reports them runs
+    the same pair (the usual cluster), else one per worker, so a mixed cluster shows its mix;
+    none when no worker reports them (a router from before they were reported)."""
+    known = [w for w in status.workers if w.model or w.dtype]
+    pairs = {(w.model, w.dtype) for w in known}
+    if not pairs:
+        return []
+    if len(pairs) == 1:
+        model, dtype = pairs.pop()
+        return [_line("model", model or "-", f"dtype {dtype or '-'}")]
+    return [_line("model", f"{w.worker_id}: {w.model or '-'}", f"dtype {w.dtype or '-'}")
+            for w in known]
+
+
 def rates_line(rates: Rates | None) -> Text:
     r = rates or Rates()
     gbps = "-" if r.gbytes_per_s is None else f"{r.gbytes_per_s:.3f}"
@@ -354,6 +369,7 @@ def render_top(status: Any | None, rates: Rates | None = None, *, address: str =
     if status.context_policy or status.generation_policy:
         parts.append(_line("policies", f"context {status.context_policy or '-'}",
                            f"generation {status.generation_policy or '-'}"))
+    parts.extend(model_lines(status))
     parts.append(workers_table(status, rates))
     parts.append(rates_line(rates))
     parts.extend(router_lines(status))
@@ -464,6 +480,7 @@ def render_status(status: Any, *, address: str = "") -> RenderableType:
     if status.context_policy or status.generation_policy:
         parts.append(_line("policies", f"context {status.context_policy or '-'}",
                            f"generation {status.generation_policy or '-'}"))
+    parts.extend(model_lines(status))
     parts.append(status_table(status))
     parts.append(Text(STATUS_LEGEND, style="dim"))
     parts.append(limits_table(status))

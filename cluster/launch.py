@@ -488,6 +488,11 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
                           f"{cfg.placement}) was not placed within {cfg.placement_timeout_s:.0f} s: "
                           f"{why or f'free resources now: {ray.available_resources()}'}") from None
 
+    # Workers that load together on one node must fit its memory together: refused here, before
+    # any of them loads (each worker's own check sees only what the node has when it starts).
+    short = node_memory_shortfalls(cfg, roles, pg, model_dir, use_gpu)
+    if short:
+        raise LaunchError("; ".join(short))
     sharing = workers_per_node(pg, len(roles)) if cfg.torch_threads == "auto" else [1] * len(roles)
     workers: dict[str, Any] = {}
     for index, (prefix, i, cls, overrides, _) in enumerate(roles):
@@ -520,6 +525,37 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
     return Cluster(router, workers, port, model_dir, pg, http_port, router_cfg, cfg.metrics,
                    model_name=cfg.model or str(model_dir))
+
+
+def node_memory_shortfalls(cfg: LaunchConfig, roles: list, pg: Any, model_dir: Path,
+                           use_gpu: bool) -> list[str]:
+    """The nodes whose CPU workers (as placed in ``pg``) need more memory together than the
+    node has (cluster/node_memory.py), one message each; empty when all fit or nothing can be
+    checked (the workers' own checks still run)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from . import node_memory
+
+    nodes = placement_group_table(pg).get("bundles_to_node_id", {})
+    cpu_workers = []
+    for index, (prefix, i, _, overrides, _) in enumerate(roles):
+        engine = {**cfg.engine, **overrides}
+        device = engine.get("device") or ("cuda" if use_gpu else "cpu")
+        if str(device).startswith("cpu") and nodes.get(index):
+            cpu_workers.append((f"{prefix}-{i}", nodes[index], engine))
+    if not cpu_workers:
+        return []
+    try:
+        planned = node_memory.plan(model_dir, cpu_workers)
+    except Exception as exc:  # e.g. the directory exists only on the worker nodes
+        log.warning("the workers' memory could not be sized on this node (%s); each worker "
+                    "checks its own as it loads", exc)
+        return []
+    budgets = node_memory.node_budgets({w.node_id for w in planned},
+                                       ray.get_runtime_context().get_node_id())
+    names = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+    return node_memory.shortfalls(planned, budgets, names)
 
 
 def workers_per_node(pg: Any, num_workers: int) -> list[int]:

@@ -45,6 +45,9 @@ class RouterConfig:
     # How tool calls are read from the output for tool_choice "auto" (the OpenAI door's
     # TOOL_PARSERS: "hermes"); None: "auto" is refused, forced calls work without one.
     tool_call_parser: str | None = None
+    # vLLM's --return-tokens-as-token-ids: the OpenAI door's logprobs name tokens
+    # "token_id:{id}" unless a request's own return_tokens_as_token_ids says otherwise.
+    return_tokens_as_token_ids: bool = False
     # How a remote prefill's KV moves (KV_TRANSFER_MODES): "after_prefill", once the prefill is
     # over; "layerwise", each layer as the context worker's forward writes it, with the
     # generation worker asked as soon as the last prefill chunk is scheduled.

@@ -73,6 +73,28 @@ def longest_token_bytes(tokenizer) -> int:
     return longest
 
 
+def request_tokens_cap(info: WorkerInfo) -> int:
+    """The longest prompt + max_tokens ``info``'s worker can take: what it reports (its KV
+    manager's own bound, so a windowed worker's pool caps nothing its window does not), else,
+    from a worker that does not report it, its pool's tokens (full attention) within its
+    max_seq_len."""
+    if info.max_request_tokens is not None:
+        return info.max_request_tokens
+    return min(info.max_seq_len, info.num_kv_blocks * info.tokens_per_block)
+
+
+def request_limits(infos: dict[str, WorkerInfo], vocab_size: int) -> V.ValidationLimits:
+    """What the router accepts: every worker's limits, and one request must fit every worker's
+    pool on its own (a request routed to a worker that can never hold it would wait forever
+    under GUARANTEED_NO_EVICT, or be refused after it was queued)."""
+    cap = min(request_tokens_cap(i) for i in infos.values())
+    return V.ValidationLimits(
+        vocab_size=vocab_size,
+        max_input_len=min(min(i.max_input_len for i in infos.values()), cap - 1),
+        max_seq_len=min(min(i.max_seq_len for i in infos.values()), cap),
+    )
+
+
 class Router:
     def __init__(self, config: RouterConfig, workers: dict[str, Any], infos: dict[str, WorkerInfo],
                  tokenizer, metrics=None) -> None:
@@ -84,13 +106,7 @@ class Router:
         if not self.registry.gen_ids:
             raise ValueError("the router needs at least one generation worker")
         first = infos[self.registry.gen_ids[0]]
-        # A request must fit every worker's pool on its own, or GNE would hold it forever.
-        pool_tokens = min(i.num_kv_blocks * i.tokens_per_block for i in infos.values())
-        self.limits = V.ValidationLimits(
-            vocab_size=first.vocab_size,
-            max_input_len=min(min(i.max_input_len for i in infos.values()), pool_tokens - 1),
-            max_seq_len=min(min(i.max_seq_len for i in infos.values()), pool_tokens),
-        )
+        self.limits = request_limits(infos, first.vocab_size)
         weights = P.KvAwareWeights(config.kv_overlap_weight, config.kv_decode_weight)
         self.routing = Routing(P.make_policy(config.routing, P.WorkerRole.CONTEXT, weights),
                                P.make_policy(config.routing, P.WorkerRole.GENERATION, weights))

@@ -32,7 +32,7 @@ import transformers
 from pdserve import LLM, SamplingParams
 from pdserve.scheduler import LlmRequestType
 from pdserve.transport.requests import UpdateKind, WireRequest
-from pdserve.workers.engine.build import sliding_window_of
+from pdserve.workers.loading.memory import sliding_window_of
 from pdserve.workers.loading.loader import load_config
 from pdserve.workers.process.rpc_worker import RpcWorkerClient
 from pdserve.workers.loading.tiny_model import build_byte_tokenizer

@@ -115,6 +115,10 @@ def launch_generate_status_shutdown(pdserve: list[str], env: dict[str, str], wor
         status_doc = json.loads(status.stdout)
         assert status_doc["maxInputLen"] > 0 and status_doc["maxPromptBytes"] > 0  # limits shown
         assert all(w["maxSeqLen"] > 0 and w["maxNumTokens"] > 0 for w in workers.values())
+        # The model as launched (a Hub name stays one, not its snapshot folder), at the dtype
+        # its float32 checkpoint runs at on CPU.
+        assert {(w["model"], w["dtype"]) for w in workers.values()} == {
+            (model or info["model_dir"], "float32")}
         assert status_doc["security"]["apiKeys"] == 1 and status_doc["security"]["warnings"] == []
 
         wrong = run("shutdown", "--address", info["ray_address"], "--port", str(port + 1))

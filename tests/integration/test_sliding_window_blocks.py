@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="parity tests compare 
 import arch_parity as P  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.workers.engine.build import sliding_window_of  # noqa: E402
+from pdserve.workers.loading.memory import sliding_window_of  # noqa: E402
 from pdserve.workers.loading.loader import load_config  # noqa: E402
 
 W, B = 8, 4

@@ -218,3 +218,118 @@ def test_response_shapes():
     assert last["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     text = chunk_json(COMPLETIONS, "cmpl-r", 7, MODEL, text="a")
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == "a"
+
+
+# ---------------------------------------------------------------------- return_tokens_as_token_ids
+
+# Two ids of a byte-level vocabulary that are pieces of one UTF-8 character: each decodes to
+# U+FFFD on its own, so named by text they are one key of top_logprobs.
+PIECE_A, PIECE_B, WORD = 200, 201, 17
+
+
+def test_return_tokens_as_token_ids_is_a_request_field_of_both_endpoints():
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    for kind, body in ((COMPLETIONS, {"prompt": "x", "logprobs": 2}), (CHAT, chat)):
+        assert parse(body, kind).tokens_as_ids is None  # the server's default decides
+        for value in (True, False):
+            assert parse({**body, "return_tokens_as_token_ids": value}, kind).tokens_as_ids is value
+        assert refused({**body, "return_tokens_as_token_ids": "yes"}, kind).param == \
+            "return_tokens_as_token_ids"
+
+
+class _FakeRouter:
+    """The FrontDoorApi the OpenAI door needs for one request: every request answers WORD with
+    the two pieces as its top alternatives."""
+
+    def __init__(self) -> None:
+        from pdserve.cluster.validation import ValidationLimits
+
+        self.limits = ValidationLimits(vocab_size=300, max_input_len=100, max_seq_len=200)
+        self.max_prompt_bytes = 400
+
+    def token_text(self, token_id: int) -> str:
+        return "\ufffd" if token_id in (PIECE_A, PIECE_B) else f"w{token_id}"
+
+    def detokenize(self, ids) -> str:
+        return "".join(self.token_text(i) for i in ids)
+
+    async def tokenize(self, text, field, add_special_tokens=False):
+        return [WORD] * max(1, len(text.split()))
+
+    def note_rejected(self) -> None:
+        pass
+
+    async def admit(self, spec, time_remaining_s=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(external_id="r-1", prompt=list(spec.token_ids or [WORD]))
+
+    async def results(self, req):
+        from pdserve.cluster.router.outputs import RequestTimings, RequestUsage, RouterOutput
+        from pdserve.transport.requests import TokenLogprobs
+
+        entry = TokenLogprobs(WORD, -0.5, 3, ((PIECE_A, -0.1), (PIECE_B, -0.2)))
+        timings = RequestTimings(0, 0, 0, 0, 0, 0, "ctx-0", "gen-0", 0, 0, False, 0, 0)
+        yield RouterOutput("r-1", [WORD], self.token_text(WORD), finish_reason="length",
+                           timings=timings, usage=RequestUsage(len(req.prompt), 1, 0),
+                           logprobs=(entry,))
+
+
+def _post(server_flag: bool, path: str, body: dict) -> dict:
+    """One request through the real OpenAI door (on 127.0.0.1) in front of _FakeRouter."""
+    import asyncio
+    import json as json_
+    import urllib.request
+
+    from pdserve.cluster.auth import KeyRing
+    from pdserve.cluster.front.openai.chat_template import ChatTemplate
+    from pdserve.cluster.front.openai.server import OpenAIServer
+    from pdserve.cluster.router.config import RouterConfig
+
+    async def go():
+        template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", {})
+        server = OpenAIServer(_FakeRouter(), RouterConfig(return_tokens_as_token_ids=server_flag),
+                              KeyRing(()), MODEL, template)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                             data=json_.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            raw = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=30).read())
+            return json_.loads(raw)
+        finally:
+            await server.stop()
+
+    return asyncio.run(go())
+
+
+def test_completions_top_logprobs_keep_ids_apart_that_decode_to_the_same_text():
+    body = {"prompt": [WORD, WORD], "max_tokens": 1, "logprobs": 2}
+    by_text = _post(False, "/v1/completions", body)["choices"][0]["logprobs"]
+    # Named by text the pieces collide: one key, the later (less likely) piece's logprob.
+    assert by_text["top_logprobs"][0] == {"\ufffd": -0.2, f"w{WORD}": -0.5}
+    by_id = _post(False, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    lp = by_id["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{WORD}"]
+    assert lp["top_logprobs"][0] == {f"token_id:{PIECE_A}": -0.1, f"token_id:{PIECE_B}": -0.2,
+                                     f"token_id:{WORD}": -0.5}
+    assert lp["text_offset"] == [0]
+    assert by_id["choices"][0]["text"] == f"w{WORD}"  # the text itself is unchanged
+    # The server's flag makes it the default; a request's own false still names by text.
+    assert _post(True, "/v1/completions", body)["choices"][0]["logprobs"] == lp
+    off = _post(True, "/v1/completions", {**body, "return_tokens_as_token_ids": False})
+    assert off["choices"][0]["logprobs"] == by_text
+
+
+def test_chat_logprobs_name_tokens_by_id_with_their_bytes():
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+            "top_logprobs": 2}
+    by_text = _post(False, "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"][0]
+    assert [t["token"] for t in by_text["top_logprobs"]] == ["\ufffd", "\ufffd"]
+    for kind, path_body in (("request", {**body, "return_tokens_as_token_ids": True}), ("server", body)):
+        content = _post(True if kind == "server" else False, "/v1/chat/completions",
+                        path_body)["choices"][0]["logprobs"]["content"][0]
+        assert content["token"] == f"token_id:{WORD}"
+        assert content["bytes"] == list(f"token_id:{WORD}".encode())
+        assert [t["token"] for t in content["top_logprobs"]] == [f"token_id:{PIECE_A}",
+                                                                 f"token_id:{PIECE_B}"]

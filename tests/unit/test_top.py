@@ -349,3 +349,37 @@ def test_status_shows_each_generation_workers_kv_pairs():
     text = render(views.render_status(status))
     assert "KV pairs gen-0: ctx-0 ready, ctx-1 opening" in text
     assert f"KV pairs {LONG_WORKER}: ctx-0 down" in " ".join(text.split())
+
+
+def test_status_and_top_show_the_model_and_its_dtype():
+    status = make_status(3)
+    assert "dtype" not in render(views.render_status(status))  # none reported: no line
+    hub = "Qwen/Qwen3-0.6B"
+    for w in status.workers:
+        w.model, w.dtype = hub, "bfloat16"
+    for text in (render(views.render_status(status)), render(views.render_top(status, now=T0))):
+        lines = [line for line in text.splitlines() if line.startswith("model")]
+        assert lines == [f"model    {hub}  dtype bfloat16"]  # one line: every worker runs it
+    assert_fits_80(render(views.render_status(status)), STATUS_HEADERS)
+    assert_fits_80(render(views.render_top(status, now=T0)), TOP_HEADERS)
+    # A mixed cluster shows each worker's model and dtype.
+    status.workers[0].model, status.workers[0].dtype = "/models/llama-3-8b", "float16"
+    text = " ".join(render(views.render_status(status)).split())
+    assert "model ctx-0: /models/llama-3-8b dtype float16" in text
+    assert f"model gen-0: {hub} dtype bfloat16" in text
+    assert f"model {LONG_WORKER}: {hub} dtype bfloat16" in text
+
+
+def test_the_status_proto_carries_each_workers_model_and_dtype():
+    from pdserve.cluster.front.grpc.convert import worker_status_proto
+    from pdserve.cluster.router.outputs import WorkerSnapshot
+    from pdserve.transport.requests import WorkerInfo
+
+    info = WorkerInfo(worker_id="gen-0", role="generation", pid=1, num_kv_blocks=64,
+                      tokens_per_block=16, max_batch_size=8, max_input_len=100, max_seq_len=128,
+                      max_num_tokens=256, vocab_size=1000, endpoint="", incarnation=0,
+                      request_endpoint="", request_token="", model="Qwen/Qwen3-0.6B",
+                      dtype="bfloat16")
+    out = worker_status_proto(WorkerSnapshot(worker_id="gen-0", info=info, status=None,
+                                             healthy=False, status_age_s=0.0, missing="not yet"))
+    assert (out.model, out.dtype) == ("Qwen/Qwen3-0.6B", "bfloat16")

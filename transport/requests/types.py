@@ -230,6 +230,15 @@ class WorkerInfo:
     request_token: str  # the request channel's hello token
     node_id: str = ""  # the Ray node it runs on (hex id) and that node's IP; "" off Ray
     node_ip: str = ""
+    # The model as the worker was launched with it (a directory, or a Hub repo id) and the dtype
+    # its weights run at ("bfloat16", ...): what `pdserve status` and `top` show; "" unknown.
+    model: str = ""
+    dtype: str = ""
+    # The longest prompt + output one request (one candidate) can have here, by the worker's
+    # own KV manager's bound against its pool (workers/engine/admission.py ``max_request_tokens``):
+    # at most max_seq_len, and more than the pool's tokens under a sliding window. None: not
+    # reported (the router then assumes full attention: the pool's tokens).
+    max_request_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,36 @@ class AdmissionLimits:
     can_receive: bool = False
 
 
+def max_request_tokens(kv, pool_blocks: int, max_seq_len: int) -> int:
+    """The longest prompt + output (tokens) one request of one candidate can have on this
+    worker: the largest total <= ``max_seq_len`` that ``check_request``'s test (the KV manager's
+    ``blocks_to_completion_bound`` against ``pool_blocks``) passes however it splits into
+    prompt and output; 0 when not even one token fits. What the worker tells the router, so
+    the router refuses up front only what this worker would refuse.
+
+    Full attention: ceil(total / B) blocks, the pool's tokens at most. A window that slides over
+    every layer holds about W + T tokens whatever the length, so the model's own max_seq_len
+    usually fits. The bound is monotone in the total for a fixed split, and its worst split is
+    at an end: the whole output sliding the window (a one-token prompt), or the whole prompt
+    (one output token); so the bisection tests both ends."""
+    def need(total: int) -> int:
+        if total <= 1:
+            return kv.blocks_to_completion_bound(total, 0)
+        return max(kv.blocks_to_completion_bound(1, total - 1),
+                   kv.blocks_to_completion_bound(total - 1, 1))
+
+    if need(max_seq_len) <= pool_blocks:
+        return max_seq_len
+    fits, too_long = 0, max_seq_len  # invariant: need(fits) fits (0: trivially), need(too_long) does not
+    while too_long - fits > 1:
+        mid = (fits + too_long) // 2
+        if need(mid) <= pool_blocks:
+            fits = mid
+        else:
+            too_long = mid
+    return fits
+
+
 class Admitted(NamedTuple):
     max_new_tokens: int  # clamped to what max_seq_len leaves after the prompt
     output_start: int

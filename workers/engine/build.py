@@ -13,10 +13,9 @@ from pdserve.transport.kv_pool import KVPool
 
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine.core import EngineCore
-from pdserve.workers.loading.loader import (LoadedModel, load_config, load_model, resolve_dtype,
-                                          resolve_model_dir, stored_dtype)
-from pdserve.workers.loading.memory import plan_memory
-from pdserve.workers.model import ModelConfig
+from pdserve.workers.loading.loader import LoadedModel, load_model, resolve_model_dir
+from pdserve.workers.loading.memory import (plan_memory, plan_model_dir, scratch_blocks,
+                                            sliding_window_of)
 from pdserve.workers.runner.model_runner import ModelRunner
 from pdserve.workers.engine.transceiver import KVTransceiver
 
@@ -41,14 +40,11 @@ def build_engine_core(
     if isinstance(model, LoadedModel):
         loaded = model
         plan = plan_memory(config, loaded.config, loaded.model.dtype, device,
-                           scratch_blocks=_scratch_blocks(loaded.config))
+                           scratch_blocks=scratch_blocks(loaded.config))
     else:
         model_dir = resolve_model_dir(model)
-        mcfg = load_config(model_dir)
-        dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
-        plan = plan_memory(config, mcfg, dtype, device, model_dir=model_dir,
-                           scratch_blocks=_scratch_blocks(mcfg))
-        loaded = load_model(model_dir, dtype=dtype, device=device)
+        plan = plan_model_dir(model_dir, config, device)  # raises before a weight is read
+        loaded = load_model(model_dir, dtype=plan.dtype, device=device)
     mcfg = loaded.config
     max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
     if max_seq_len > mcfg.max_position_embeddings:
@@ -86,18 +82,6 @@ def build_engine_core(
         attention_window=window,
     )
     return loaded, core
-
-
-def _scratch_blocks(mcfg: ModelConfig) -> int:
-    return 1 if sliding_window_of(mcfg) is not None else 0
-
-
-def sliding_window_of(mcfg: ModelConfig) -> int | None:
-    """The window W when every layer attends to the last W keys only (Mistral, Mixtral, Qwen2/3
-    with every layer sliding): then a sequence's KV blocks can leave the pool as the window
-    passes them. None when any layer attends to the whole history (it needs every block)."""
-    windows = set(mcfg.layer_windows)
-    return windows.pop() if len(windows) == 1 and None not in windows else None
 
 
 def build_worker_core(worker_id: str, role: str, model: str | Path | LoadedModel,

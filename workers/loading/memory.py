@@ -15,7 +15,8 @@ import torch
 
 from pdserve.transport.kv_pool import KVPool
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.loading.loader import check_memory, checkpoint_bytes
+from pdserve.workers.loading.loader import (check_memory, checkpoint_bytes, load_config,
+                                          resolve_dtype, stored_dtype)
 from pdserve.workers.model import ModelConfig
 
 # Default pool when neither num_kv_blocks nor kv_cache_memory_bytes is given: room for a full
@@ -45,6 +46,19 @@ class MemoryPlan:
         return self.pool_blocks * self.bytes_per_block
 
 
+def sliding_window_of(mcfg: ModelConfig) -> int | None:
+    """The window W when every layer attends to the last W keys only (Mistral, Mixtral, Qwen2/3
+    with every layer sliding): then a sequence's KV blocks can leave the pool as the window
+    passes them. None when any layer attends to the whole history (it needs every block)."""
+    windows = set(mcfg.layer_windows)
+    return windows.pop() if len(windows) == 1 and None not in windows else None
+
+
+def scratch_blocks(mcfg: ModelConfig) -> int:
+    """Pool blocks outside the KV manager: a sliding-window pool's scratch block."""
+    return 1 if sliding_window_of(mcfg) is not None else 0
+
+
 def kv_blocks_for(config: EngineConfig, mcfg: ModelConfig, bytes_per_block: int) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -62,15 +76,29 @@ def kv_blocks_for(config: EngineConfig, mcfg: ModelConfig, bytes_per_block: int)
 
 def plan_memory(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype,
                 device: torch.device | str, *, model_dir: str | Path | None = None,
-                scratch_blocks: int = 0, budget: tuple[int, str] | None = None) -> MemoryPlan:
+                scratch_blocks: int = 0, budget: tuple[int, str] | None = None,
+                check: bool = True) -> MemoryPlan:
     """The pool for ``mcfg`` at ``dtype``, and, with ``model_dir`` (weights still on disk),
     the check that weights + pool fit ``device`` (``ModelLoadError`` with the numbers when they
-    do not; ``budget``: the room to check against instead of the device's own)."""
+    do not; ``budget``: the room to check against instead of the device's own; ``check``
+    False: only the figures, for a launch that sums a node's workers itself)."""
     per_block = KVPool.bytes_per_block_for(mcfg.num_hidden_layers, config.tokens_per_block,
                                            mcfg.cache_heads, mcfg.cache_head_dim, dtype,
                                            mcfg.kv_planes)
     plan = MemoryPlan(dtype, kv_blocks_for(config, mcfg, per_block), scratch_blocks, per_block,
                       checkpoint_bytes(model_dir, dtype, mcfg) if model_dir is not None else None)
-    if plan.weight_bytes is not None:
+    if check and plan.weight_bytes is not None:
         check_memory(plan.weight_bytes, plan.kv_bytes, dtype, device, budget)
     return plan
+
+
+def plan_model_dir(model_dir: str | Path, config: EngineConfig, device: str, *,
+                   check: bool = True) -> MemoryPlan:
+    """The plan of a worker that loads ``model_dir`` (a local directory) with ``config`` on
+    ``device``, from config.json and the safetensors headers alone: what the engine builder
+    checks before reading a weight, and what a launch sums over the workers it places on one
+    node (cluster/node_memory.py)."""
+    mcfg = load_config(model_dir)
+    dtype = resolve_dtype(config.dtype, device, stored_dtype(model_dir))
+    return plan_memory(config, mcfg, dtype, device, model_dir=model_dir,
+                       scratch_blocks=scratch_blocks(mcfg), check=check)

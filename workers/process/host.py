@@ -45,6 +45,7 @@ from pdserve.transport.requests import (
 )
 
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine.admission import max_request_tokens
 from pdserve.workers.engine.core import EngineCore
 from pdserve.workers.process.kv_control import ControlPlane, KVControl
 
@@ -249,6 +250,7 @@ class WorkerHost:
             num_kv_blocks=ex.kv.num_blocks, tokens_per_block=self.config.tokens_per_block,
             max_batch_size=self.config.max_batch_size, max_input_len=ex.max_input_len,
             max_seq_len=ex.max_seq_len, max_num_tokens=self.config.max_num_tokens,
+            max_request_tokens=max_request_tokens(ex.kv, ex.limits.pool_blocks, ex.max_seq_len),
             vocab_size=vocab_size,
             endpoint=ex.transceiver.endpoint if ex.transceiver is not None else "",
             incarnation=self.incarnation, request_endpoint="", request_token="")

@@ -107,6 +107,7 @@ class RayWorker:
             torch.set_num_threads(torch_threads)
         events.route_to_stderr()  # transfers, pauses, resumes on the actor's log page
         self.worker_id = worker_id
+        self.model_name = model_dir  # as launched (a Hub repo id stays one): what status shows
         # Every address this worker advertises is its node's: the request channel, the KV
         # store and the KV link (127.0.0.1 would reach only peers on the same node).
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -170,7 +171,9 @@ class RayWorker:
         return dataclasses.replace(self.host.info(self.loaded.config.vocab_size),
                                    request_endpoint=self.channel.endpoint,
                                    request_token=self.channel.token,
-                                   node_id=self.node_id, node_ip=self.node_ip)
+                                   node_id=self.node_id, node_ip=self.node_ip,
+                                   model=self.model_name,
+                                   dtype=str(self.loaded.model.dtype).removeprefix("torch."))
 
     def generate(self, wire: WireRequest) -> Iterator[WireUpdate]:
         """The request's updates as a Ray streaming generator (for callers holding only an

@@ -45,7 +45,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "min_
                     "prompt_logprobs")
 _SHARED_USED = {*_SAMPLING_FIELDS, "stop", "stream", "stream_options", "priority",
                 "agent_hierarchy", "disaggregation", "deadline_ms", "response_format", "guided_json",
-                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}
+                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                "return_tokens_as_token_ids"}
 IGNORED = {"user"}  # accepted and ignored: an end-user id for abuse tracking
 # Fields accepted only with the value that means "off" (or pdserve's own behaviour); anything
 # else is refused.
@@ -93,6 +94,9 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # chat only
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far.
     continuous_usage: bool = False
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}"; None: the
+    # server's default (--return-tokens-as-token-ids).
+    tokens_as_ids: bool | None = None
 
 
 def openai_param(field: str, kind: str) -> str:
@@ -205,6 +209,9 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if sampling.candidates > sampling.n and stream:
         raise invalid("best_of", "best_of > n cannot be streamed (the best are known at the end)")
 
+    tokens_as_ids = body.get("return_tokens_as_token_ids")
+    if tokens_as_ids is not None and not isinstance(tokens_as_ids, bool):
+        raise invalid("return_tokens_as_token_ids", f"must be a boolean, got {tokens_as_ids!r}")
     spec = GenerateSpec(
         sampling=sampling,
         priority=_default(body.get("priority"), DEFAULT_PRIORITY),
@@ -216,9 +223,10 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
     if kind == COMPLETIONS:
         text, token_ids = _prompt(body.get("prompt"))
         return ParsedRequest(kind, dataclasses.replace(spec, text=text, token_ids=token_ids), stream,
-                             include_usage, continuous_usage=continuous_usage)
+                             include_usage, continuous_usage=continuous_usage,
+                             tokens_as_ids=tokens_as_ids)
     return ParsedRequest(kind, spec, stream, include_usage, _messages(body.get("messages")), given, tools,
-                         continuous_usage)
+                         continuous_usage, tokens_as_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,8 +480,16 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
+def token_id_label(token_id: int) -> str:
+    """A token named by its id (vLLM's return_tokens_as_token_ids): byte-level tokenizers decode
+    several ids (pieces of one UTF-8 character) to the same U+FFFD, so names by text collide
+    where a client needs to tell the tokens apart (top_logprobs is a map keyed by the name)."""
+    return f"token_id:{token_id}"
+
+
 def chat_logprobs_json(entries: Any, token_text) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}.
+    ``token_text`` names a token (its text, or ``token_id_label``); ``bytes`` are the name's."""
     content = []
     for e in entries:
         token = token_text(e.token_id)
@@ -486,10 +502,13 @@ def chat_logprobs_json(entries: Any, token_text) -> dict[str, Any]:
 class CompletionLogprobs:
     """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
     built up as tokens arrive; ``text_offset`` counts characters from the start of the
-    choice's text (the echoed prompt included)."""
+    choice's text (the echoed prompt included). ``label`` names a token in ``tokens`` and the
+    ``top_logprobs`` keys (default: its text; ``token_id_label`` for token ids); offsets keep
+    counting the text, so they still index the choice's text when tokens are named by id."""
 
-    def __init__(self, token_text, offset: int = 0) -> None:
+    def __init__(self, token_text, offset: int = 0, label=None) -> None:
         self.token_text = token_text
+        self.label = token_text if label is None else label
         self.offset = offset
 
     def add_prompt(self, prompt_ids: Any, entries: Any) -> dict[str, list]:
@@ -512,18 +531,18 @@ class CompletionLogprobs:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _append(self, out: dict[str, list], token_id: int, logprob: float | None, top) -> None:
-        token = self.token_text(token_id)
+        token = self.label(token_id)
         out["tokens"].append(token)
         out["token_logprobs"].append(None if logprob is None else _lp(logprob))
         if top is None:
             out["top_logprobs"].append(None)
         else:
-            # vLLM's shape: the top k by text, and the chosen token too.
-            tops = {self.token_text(i): _lp(v) for i, v in top}
+            # vLLM's shape: the top k by name, and the chosen token too.
+            tops = {self.label(i): _lp(v) for i, v in top}
             tops.setdefault(token, _lp(logprob))
             out["top_logprobs"].append(tops)
         out["text_offset"].append(self.offset)
-        self.offset += len(token)
+        self.offset += len(token if self.label is self.token_text else self.token_text(token_id))
 
     @staticmethod
     def merge(parts: list[dict[str, list]]) -> dict[str, list]:

@@ -55,6 +55,7 @@ from .api import (
     parse_tokenize,
     prompt_logprobs_json,
     response_id,
+    token_id_label,
     usage_chunk_json,
 )
 from .chat_template import ChatTemplate, ChatTemplateError
@@ -222,7 +223,10 @@ class OpenAIServer:
             return error_response(exc)
         headers = {"X-Request-Id": req.external_id}
         rid, created = response_id(kind, req.external_id), int(time.time())
-        choices = _Choices(self.api, parsed, spec, req.prompt, tool_parser)
+        # The request's own return_tokens_as_token_ids, else the server's (vLLM's precedence).
+        as_ids = (parsed.tokens_as_ids if parsed.tokens_as_ids is not None
+                  else self.config.return_tokens_as_token_ids)
+        choices = _Choices(self.api, parsed, spec, req.prompt, tool_parser, tokens_as_ids=as_ids)
         async with contextlib.aclosing(self.api.results(req)) as results:
             try:
                 first = await anext(results)  # before any header: an early error keeps its status
@@ -357,8 +361,10 @@ class _Choice:
     ``echo`` the prompt leads the text (and, with logprobs, the logprobs)."""
 
     def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids,
-                 tool_parser=None, index: int = 0) -> None:
+                 tool_parser=None, index: int = 0, tokens_as_ids: bool = False) -> None:
         self.index = index
+        # How logprobs name a token: its text, or "token_id:{id}" (return_tokens_as_token_ids).
+        self.label = token_id_label if tokens_as_ids else api.token_text
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
         self.kind = parsed.kind
@@ -371,7 +377,7 @@ class _Choice:
         self.texts: list[str] = []
         self.parts: list[Any] = []  # completions: logprob dicts; chat: content entries
         self.prompt_logprobs: list[Any] | None = None
-        self.completion_lps = CompletionLogprobs(api.token_text)
+        self.completion_lps = CompletionLogprobs(api.token_text, label=self.label)
         self._echoed = False
         self._stream_parser = None
         self.completion_tokens = 0
@@ -402,7 +408,7 @@ class _Choice:
             if self.kind == COMPLETIONS:
                 logprobs = self.completion_lps.add(out.logprobs)
             else:
-                logprobs = chat_logprobs_json(out.logprobs, self.api.token_text)
+                logprobs = chat_logprobs_json(out.logprobs, self.label)
         return text, logprobs, prompt_lps
 
     def add(self, out) -> None:
@@ -449,12 +455,14 @@ class _Choice:
 class _Choices:
     """Every choice of a request (n / best_of), by the router's candidate index."""
 
-    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids, tool_parser) -> None:
+    def __init__(self, api: FrontDoorApi, parsed: ParsedRequest, spec, prompt_ids, tool_parser,
+                 *, tokens_as_ids: bool = False) -> None:
         sampling = spec.sampling
         self.count = sampling.candidates
         self.n = sampling.n
         self.prompt_ids = list(prompt_ids)
-        self.choices = [_Choice(api, parsed, spec, prompt_ids, tool_parser, index=i)
+        self.choices = [_Choice(api, parsed, spec, prompt_ids, tool_parser, index=i,
+                                tokens_as_ids=tokens_as_ids)
                         for i in range(self.count)]
 
     def get(self, index: int) -> _Choice:
