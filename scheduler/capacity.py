@@ -245,6 +245,9 @@ class CapacityScheduler:
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         pending_gen_init: list[LlmRequest] = []
+        # Contexts past their first chunk apart from the other pending requests: pass 2 takes
+        # them first (scheduling.md 2.2, pdserve).
+        started: list[LlmRequest] = []
         pending: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
         claimed_peft = 0
@@ -286,6 +289,9 @@ class CapacityScheduler:
             elif kind == _GEN_INIT:
                 defer_gen_init(req)
                 continue
+            elif kind == _CONTEXT and req.context_current_position != req.prepopulated_prompt_len:
+                started.append(req)  # holds its prompt's blocks: must not wait behind newcomers
+                continue
             elif kind != _TRANSFER:
                 defer(req)
                 continue
@@ -300,7 +306,7 @@ class CapacityScheduler:
                 if peft is not None:
                     claimed_peft += peft.determine_num_pages(req)
 
-        if (static and admitted > 0) or not (pending or pending_gen_init):
+        if (static and admitted > 0) or not (pending or started or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
         charged = None
         if len(fitting) > len(exact):
@@ -318,10 +324,10 @@ class CapacityScheduler:
         walk_cross = prefix_aware and cross and cross_view.reuse_walk  # type: ignore[union-attr]
         skipping = not static and self._skipping_is_relevant(view, cross_view)
         if skipping:
-            # The contexts past their first chunk are among the deferred requests, or past the
-            # cap; pass 1 took every other kind.
+            # The contexts past their first chunk are ``started``, or past the cap; pass 1 took
+            # every other kind. (Walked in list order: ``started`` precedes ``unvisited``.)
             contributed, cross_contributed = self._contexts_already_executing(
-                (*pending, *unvisited) if unvisited else pending, view, cross_view
+                (*started, *unvisited) if unvisited else started, view, cross_view
             )
         prefix_summary = view.prefix_summary
         cross_prefix_summary = cross_view.prefix_summary if cross_view is not None else None
@@ -330,6 +336,13 @@ class CapacityScheduler:
         lean_contexts = self._context_states if fast and available_peft >= 0 else frozenset()
         prompt_to_completion = view.prompt_blocks_to_completion
         unwalked = _ZERO_SUMMARY if not prefix_aware else None
+        # Started contexts before the other pending requests (scheduling.md 2.2, pdserve): each
+        # was admitted with its blocks to completion reserved, and holds its prompt's blocks.
+        # Checked after a newcomer (TensorRT-LLM's list order), it could lose that reservation
+        # to it or, when a newcomer that had been skipped (2.9) comes back ahead of it and no
+        # longer fits, be shut out by the break for good: nothing else would free the blocks.
+        if started:
+            pending = started + pending if pending else started
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 if req.state in lean_contexts and req.lora_task_id is None:

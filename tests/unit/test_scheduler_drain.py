@@ -1,0 +1,121 @@
+"""Liveness: workloads the executor accepts drain (issue 46).
+
+A request the executor accepts fits an empty pool on its own (``Executor.add_request`` refuses
+P + N beyond the pool) and, without chunking, fits one step. Among such requests the schedulers
+must never reach a state where nothing can run: no transfers are involved, so a step that
+schedules nothing while requests are active leaves the state as it was, and every later step
+repeats it. ``_drain`` fails on the first such step (a hang, named by the step's state), and
+bounds the number of steps besides.
+
+The hang of issue 46: GUARANTEED_NO_EVICT with prefix-aware skipping, where a first-chunk
+request that was skipped (its first uncached block was about to be stored by another request)
+came back ahead of a later request that had meanwhile started prefilling; no longer fitting, its
+block misfit ended the pass before the started request, the only one whose completion could free
+the blocks it needed (scheduling.md 2.2).
+"""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.scheduler import (
+    CapacityScheduler,
+    CapacitySchedulerPolicy,
+    ContextChunkingConfig,
+    ContextChunkingPolicy,
+    KVCacheManager,
+    LlmRequest,
+    LlmRequestState,
+    MicroBatchScheduler,
+    SimpleScheduler,
+)
+from pdserve.scheduler.sim_worker import SimulatedWorker
+
+S = LlmRequestState
+GNE = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+FCFS = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
+
+# Shared-prefix families: requests of one family share their leading tokens, so with reuse on the
+# later ones are skipped while an earlier one stores those blocks (scheduling.md 2.9).
+FAMILIES = {f: [300 + 50 * f + i for i in range(40)] for f in range(1, 4)}
+
+
+def _worker(policy, *, tokens_per_block, num_blocks, max_batch_size, max_num_tokens, chunking,
+            chunk_unit, reuse, prefix_aware=True):
+    kv = KVCacheManager(num_blocks, tokens_per_block, enable_block_reuse=reuse)
+    chunk_config = ContextChunkingConfig(chunking, chunk_unit) if chunking is not None else None
+    scheduler = SimpleScheduler(
+        CapacityScheduler(max_batch_size, policy, enable_prefix_aware_scheduling=prefix_aware),
+        MicroBatchScheduler(chunk_config, max_num_tokens),
+        kv_cache_manager=kv,
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+    )
+    # Without chunking a paused request's folded prompt must still fit one step (the executor's
+    # max_input_len does the same).
+    max_input_len = max_num_tokens if chunking is None else 10_000
+    return SimulatedWorker(scheduler, kv, max_input_len=max_input_len)
+
+
+def _drain(worker, arrivals, max_steps):
+    """Runs ``arrivals`` ((step, request), sorted by step) to completion. Fails on a step that
+    schedules nothing while requests are active and no arrival is due (a hang), or past
+    ``max_steps``. Returns the number of steps."""
+    arrivals = list(arrivals)
+    requests = [r for _, r in arrivals]
+    step = 0
+    while arrivals or not worker.idle:
+        while arrivals and arrivals[0][0] <= step:
+            worker.add_request(arrivals.pop(0)[1])
+        record = worker.step()
+        step += 1
+        stuck = not record.context and not record.generation and not record.paused
+        if stuck and worker.active and not (arrivals and arrivals[0][0] <= step):
+            states = [(r.request_id, r.state.name, r.context_current_position, r.prompt_len)
+                      for r in worker.active]
+            raise AssertionError(
+                f"step {record.iteration}: nothing scheduled, nothing can change: {states}, "
+                f"{record.free_blocks} blocks free")
+        assert step < max_steps, f"not drained after {max_steps} steps"
+    assert worker.kv.get_num_free_blocks() == worker.kv.num_blocks
+    for r in requests:
+        assert r.state == S.GENERATION_COMPLETE, r
+        assert r.get_num_tokens(0) == r.orig_prompt_len + r.orig_max_new_tokens
+    return step
+
+
+# ---- the reproduction of issue 46 ---------------------------------------------------------------
+PREFIX = list(range(10, 35))  # 25 tokens
+
+
+def _issue_46(num_blocks, chunk_unit=1, order=(0, 1, 2)):
+    """B = 2, ``num_blocks`` blocks, max_num_tokens 16, FCFS chunks, reuse on: prompts of 12 and
+    25 tokens sharing a prefix (A, B) and an unrelated one of 21 (C), max_tokens 4, all at once,
+    listed in ``order`` (indices into A, B, C)."""
+    worker = _worker(GNE, tokens_per_block=2, num_blocks=num_blocks, max_batch_size=64,
+                     max_num_tokens=16, chunking=FCFS, chunk_unit=chunk_unit, reuse=True)
+    prompts = [PREFIX[:12], PREFIX[:25], [200 + i for i in range(21)]]
+    return worker, [(0, LlmRequest(rid, prompts[k], 4)) for rid, k in enumerate(order)]
+
+
+@pytest.mark.parametrize("chunk_unit", [1, 2])
+@pytest.mark.parametrize("num_blocks", [21, 22, 23, 24, 25])
+def test_issue_46_a_started_context_is_not_shut_out_by_a_skipped_first_chunk(num_blocks, chunk_unit):
+    # Step 0: A and C are admitted, B is skipped (A is about to store the blocks B's prompt starts
+    # with). The 16-token budget gives A its 12 tokens and C 4: C has started, holding its 11
+    # prompt blocks. From step 1 B's first uncached block is one nobody contributes, so B is a
+    # candidate again, ahead of C. It needs 15 blocks (less the 5 it shares with A while A holds
+    # them); with C's 11 out of a pool of at most 25 they are never free, and before the fix B's
+    # misfit ended the pass before C, which alone could give blocks back: nothing ran again.
+    worker, arrivals = _issue_46(num_blocks, chunk_unit)
+    steps = _drain(worker, arrivals, max_steps=200)
+    assert steps < 40
+    # C completes before B is admitted: B fits only once C's blocks are back.
+    assert [r.request_id for r in worker.finished] == [0, 2, 1]
+
+
+def test_issue_46_every_arrival_order_drains():
+    orders = ((0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0))
+    for num_blocks in range(18, 30):
+        for order in orders:
+            worker, arrivals = _issue_46(num_blocks, order=order)
+            _drain(worker, arrivals, max_steps=200)
