@@ -119,3 +119,31 @@ def test_issue_46_every_arrival_order_drains():
         for order in orders:
             worker, arrivals = _issue_46(num_blocks, order=order)
             _drain(worker, arrivals, max_steps=200)
+
+
+# ---- a first chunk shorter than a block (scheduling.md 3.5) --------------------------------------
+def test_a_cached_prefix_never_shrinks_a_first_chunk_to_nothing():
+    # The position jumps past the 4 cached tokens. A 1-token chunk then ends mid-block, and
+    # rounding its end down to the block boundary would leave nothing: it is kept.
+    r = LlmRequest(1, list(range(6)), 1)
+    r.context_chunk_size = 1
+    r.set_prepopulated_prompt_len(4, 4)
+    assert (r.context_current_position, r.context_chunk_size) == (4, 1)
+    # A chunk reaching past a boundary still ends on it, as in TensorRT-LLM.
+    r = LlmRequest(2, list(range(12)), 1)
+    r.context_chunk_size = 5
+    r.set_prepopulated_prompt_len(4, 4)
+    assert (r.context_current_position, r.context_chunk_size) == (4, 4)
+
+
+def test_max_utilization_runs_a_request_whose_first_chunk_is_shorter_than_a_block():
+    # B = 4, 2 blocks, FCFS chunks of unit 1 (no block multiple) and a 1-token budget. A (5
+    # tokens) prefills a token a step, stores its first block and finishes. B (6 tokens, A's 5
+    # and one more) is allocated both blocks, the first from the cache, at position 4 with a
+    # 1-token chunk. Shrunk to the block boundary that chunk was 0: B held every block while
+    # still on its first chunk, so MAX_UTILIZATION charged it its prompt's blocks again and had
+    # nobody started to pause. It never ran.
+    worker = _worker(CapacitySchedulerPolicy.MAX_UTILIZATION, tokens_per_block=4, num_blocks=2,
+                     max_batch_size=1, max_num_tokens=1, chunking=FCFS, chunk_unit=1, reuse=True)
+    arrivals = [(0, LlmRequest(0, FAMILIES[1][:5], 1)), (0, LlmRequest(1, FAMILIES[1][:6], 1))]
+    assert _drain(worker, arrivals, max_steps=50) == 7
