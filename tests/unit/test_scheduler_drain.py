@@ -11,11 +11,16 @@ The hang of issue 46: GUARANTEED_NO_EVICT with prefix-aware skipping, where a fi
 request that was skipped (its first uncached block was about to be stored by another request)
 came back ahead of a later request that had meanwhile started prefilling; no longer fitting, its
 block misfit ended the pass before the started request, the only one whose completion could free
-the blocks it needed (scheduling.md 2.2).
+the blocks it needed (scheduling.md 2.2). The random workloads at the end run every capacity
+policy under every chunking setting (none, FIRST_COME_FIRST_SERVED, EQUAL_PROGRESS, FORCE_CHUNK,
+units of 1-8 tokens with blocks of 1-4) with reuse on and off; they also found the MAX_UTILIZATION
+hang of a first chunk shrunk to nothing (scheduling.md 3.5).
 """
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.scheduler import (
     CapacityScheduler,
@@ -58,7 +63,7 @@ def _worker(policy, *, tokens_per_block, num_blocks, max_batch_size, max_num_tok
 
 def _drain(worker, arrivals, max_steps):
     """Runs ``arrivals`` ((step, request), sorted by step) to completion. Fails on a step that
-    schedules nothing while requests are active and no arrival is due (a hang), or past
+    schedules nothing while requests are active and none is still to arrive (a hang), or past
     ``max_steps``. Returns the number of steps."""
     arrivals = list(arrivals)
     requests = [r for _, r in arrivals]
@@ -69,7 +74,8 @@ def _drain(worker, arrivals, max_steps):
         record = worker.step()
         step += 1
         stuck = not record.context and not record.generation and not record.paused
-        if stuck and worker.active and not (arrivals and arrivals[0][0] <= step):
+        # Only with every request arrived: a later arrival may change the schedule.
+        if stuck and worker.active and not arrivals:
             states = [(r.request_id, r.state.name, r.context_current_position, r.prompt_len)
                       for r in worker.active]
             raise AssertionError(
@@ -147,3 +153,77 @@ def test_max_utilization_runs_a_request_whose_first_chunk_is_shorter_than_a_bloc
                      max_batch_size=1, max_num_tokens=1, chunking=FCFS, chunk_unit=1, reuse=True)
     arrivals = [(0, LlmRequest(0, FAMILIES[1][:5], 1)), (0, LlmRequest(1, FAMILIES[1][:6], 1))]
     assert _drain(worker, arrivals, max_steps=50) == 7
+
+
+# ---- random workloads ---------------------------------------------------------------------------
+# Every capacity policy and chunking setting, with random engine settings and workloads of
+# requests the executor accepts: each must drain. A step that runs nothing while requests are
+# active fails at once (``_drain``); the step bound is far above what progress needs (a step
+# that runs anything advances some prompt or decode by a token, and a MAX_UTILIZATION pause
+# only costs its recompute).
+CHUNKINGS = [None, *ContextChunkingPolicy]
+request_spec = st.tuples(
+    st.integers(1, 30),  # prompt length
+    st.integers(1, 8),  # max new tokens
+    st.sampled_from([0, 0, 0, 1, 2, 4, 6]),  # arrival step
+    st.sampled_from([0, 1, 1, 2]),  # prefix family (0: a prompt of its own)
+)
+engine_spec = st.fixed_dictionaries(
+    {
+        "chunk_unit": st.sampled_from([1, 2, 3, 4, 8]),
+        "tokens_per_block": st.sampled_from([1, 2, 4]),
+        "prefix_aware": st.sampled_from([True, True, False]),
+        "max_batch_size": st.integers(1, 6),
+        "max_num_tokens": st.integers(1, 16),
+        "spare_blocks": st.integers(0, 8),  # over what the largest request needs on its own
+    }
+)
+
+
+def _run_workload(policy, chunking, reuse, engine, specs):
+    unit, b = engine["chunk_unit"], engine["tokens_per_block"]
+    max_num_tokens = engine["max_num_tokens"]
+    if chunking is None:
+        max_num_tokens = max(max_num_tokens, max(p for p, _, _, _ in specs))  # a prompt a step
+    else:
+        max_num_tokens = max(max_num_tokens, unit)  # a chunk of one unit fits a step
+    # The smallest pool the executor accepts these requests on (workers/admission.py).
+    needed = max(-(-(p + n) // b) for p, n, _, _ in specs)
+    worker = _worker(
+        policy, tokens_per_block=b, num_blocks=needed + engine["spare_blocks"],
+        max_batch_size=engine["max_batch_size"], max_num_tokens=max_num_tokens,
+        chunking=chunking, chunk_unit=unit, reuse=reuse, prefix_aware=engine["prefix_aware"])
+    arrivals = []
+    for rid, (p, n, at, family) in enumerate(specs):
+        tokens = FAMILIES[family][:p] if family else [1000 + 40 * rid + i for i in range(p)]
+        arrivals.append((at, LlmRequest(rid, tokens, n)))
+    arrivals.sort(key=lambda a: a[0])
+    total = sum(p + n for p, n, _, _ in specs)
+    _drain(worker, arrivals, max_steps=50 + 20 * total)
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=lambda c: "no_chunking" if c is None else c.name)
+@pytest.mark.parametrize("policy", list(CapacitySchedulerPolicy), ids=lambda p: p.name)
+@settings(max_examples=100, deadline=None)
+@given(reuse=st.booleans(), engine=engine_spec,
+       specs=st.lists(request_spec, min_size=1, max_size=10))
+def test_random_workloads_drain(policy, chunking, reuse, engine, specs):
+    _run_workload(policy, chunking, reuse, engine, specs)
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS[1:], ids=lambda c: c.name)
+@pytest.mark.parametrize("policy", list(CapacitySchedulerPolicy), ids=lambda p: p.name)
+@settings(max_examples=150, deadline=None)
+@given(engine=engine_spec, data=st.data())
+def test_shared_prefix_workloads_drain(policy, chunking, engine, data):
+    # The shape of issue 46, drawn at random: a prompt, a longer one sharing its start (skipped
+    # while the first stores their shared blocks), then unrelated prompts, all at once, with
+    # reuse on and chunked prefill (a request admitted meanwhile may start and hold its blocks).
+    short = data.draw(st.integers(1, 20), label="shorter prompt")
+    longer = data.draw(st.integers(short + 1, 30), label="longer prompt")
+    new = st.integers(1, 8)
+    others = data.draw(st.lists(st.tuples(st.integers(1, 30), new), min_size=1, max_size=4),
+                       label="other prompts")
+    specs = [(short, data.draw(new), 0, 1), (longer, data.draw(new), 0, 1)]
+    specs += [(p, n, 0, 0) for p, n in others]
+    _run_workload(policy, chunking, True, engine, specs)
