@@ -245,9 +245,6 @@ class CapacityScheduler:
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         pending_gen_init: list[LlmRequest] = []
-        # Contexts past their first chunk apart from the other pending requests: pass 2 takes
-        # them first (scheduling.md 2.2, pdserve).
-        started: list[LlmRequest] = []
         pending: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
         claimed_peft = 0
@@ -289,9 +286,6 @@ class CapacityScheduler:
             elif kind == _GEN_INIT:
                 defer_gen_init(req)
                 continue
-            elif kind == _CONTEXT and req.context_current_position != req.prepopulated_prompt_len:
-                started.append(req)  # holds its prompt's blocks: must not wait behind newcomers
-                continue
             elif kind != _TRANSFER:
                 defer(req)
                 continue
@@ -306,8 +300,18 @@ class CapacityScheduler:
                 if peft is not None:
                     claimed_peft += peft.determine_num_pages(req)
 
-        if (static and admitted > 0) or not (pending or started or pending_gen_init):
+        if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
+        # The contexts past their first chunk ("started": they hold their prompt's blocks) apart
+        # from the other pending requests, order kept: pass 2 tries them first (scheduling.md
+        # 2.2, pdserve). Split here rather than in pass 1, which STATIC_BATCH often ends with.
+        context_states = self._context_states
+        started = [
+            req
+            for req in pending
+            if req.state in context_states
+            and req.context_current_position != req.prepopulated_prompt_len
+        ]
         charged = None
         if len(fitting) > len(exact):
             # The short path's requests, in order: the running requests in ``fitting`` (only
@@ -342,7 +346,11 @@ class CapacityScheduler:
         # to it or, when a newcomer that had been skipped (2.9) comes back ahead of it and no
         # longer fits, be shut out by the break for good: nothing else would free the blocks.
         if started:
-            pending = started + pending if pending else started
+            if len(started) < len(pending):
+                taken = set(started)
+                pending = started + [req for req in pending if req not in taken]
+            else:
+                pending = started
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 if req.state in lean_contexts and req.lora_task_id is None:
