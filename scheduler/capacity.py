@@ -207,15 +207,7 @@ class CapacityScheduler:
         walk_cross = cross_view is not None and cross_view.reuse_walk
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
-        context_states = self._context_states
-        # Context requests not on their first chunk (is_first_context_chunk, without the
-        # property); the kind first: most requests are not contexts.
-        executing = [
-            req
-            for req in requests
-            if req.state in context_states
-            and req.context_current_position != req.prepopulated_prompt_len
-        ]
+        executing = self._started_contexts(requests)
         prefix_summary = view.prefix_summary
         for req in executing:
             if walk_self:
@@ -227,6 +219,13 @@ class CapacityScheduler:
                 if block is not None:
                     cross_contributed.add(block)
         return contributed, cross_contributed
+
+    def _started_contexts(self, requests: Sequence[LlmRequest]) -> list[LlmRequest]:
+        """The context requests past their first chunk (is_first_context_chunk inlined), in
+        order: they hold their prompt's blocks. The kind first: most requests are no contexts."""
+        states = self._context_states
+        return [r for r in requests
+                if r.state in states and r.context_current_position != r.prepopulated_prompt_len]
 
     # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (scheduling.md 2.2-2.4) ----------------------
     def _schedule_no_evict(
@@ -264,12 +263,8 @@ class CapacityScheduler:
         admitted = 0
         unvisited: Sequence[LlmRequest] = ()
         for req in requests:
-            if (
-                req.state in lean_states
-                and req.beam_width == 1
-                and req.lora_task_id is None
-                and admitted < cap
-            ):
+            if (req.state in lean_states and req.beam_width == 1 and req.lora_task_id is None
+                    and admitted < cap):
                 req.estimated_reusable_tokens = 0  # what its estimate sets
                 admit(req)
                 admitted += 1
@@ -302,16 +297,12 @@ class CapacityScheduler:
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
-        # The contexts past their first chunk ("started": they hold their prompt's blocks) apart
-        # from the other pending requests, order kept: pass 2 tries them first (scheduling.md
-        # 2.2, pdserve). Split here rather than in pass 1, which STATIC_BATCH often ends with.
-        context_states = self._context_states
-        started = [
-            req
-            for req in pending
-            if req.state in context_states
-            and req.context_current_position != req.prepopulated_prompt_len
-        ]
+        # Started contexts (past their first chunk) first: their blocks are reserved, and a
+        # newcomer's misfit must not shut them out (scheduling.md 2.2, issue 46). Order kept.
+        started = self._started_contexts(pending)
+        if started:
+            taken = set(started)
+            pending = started + [r for r in pending if r not in taken]
         charged = None
         if len(fitting) > len(exact):
             # The short path's requests, in order: the running requests in ``fitting`` (only
@@ -328,8 +319,7 @@ class CapacityScheduler:
         walk_cross = prefix_aware and cross and cross_view.reuse_walk  # type: ignore[union-attr]
         skipping = not static and self._skipping_is_relevant(view, cross_view)
         if skipping:
-            # The contexts past their first chunk are ``started``, or past the cap; pass 1 took
-            # every other kind. (Walked in list order: ``started`` precedes ``unvisited``.)
+            # The executing contexts: ``started``, then those past the cap (list order).
             contributed, cross_contributed = self._contexts_already_executing(
                 (*started, *unvisited) if unvisited else started, view, cross_view
             )
@@ -340,17 +330,6 @@ class CapacityScheduler:
         lean_contexts = self._context_states if fast and available_peft >= 0 else frozenset()
         prompt_to_completion = view.prompt_blocks_to_completion
         unwalked = _ZERO_SUMMARY if not prefix_aware else None
-        # Started contexts before the other pending requests (scheduling.md 2.2, pdserve): each
-        # was admitted with its blocks to completion reserved, and holds its prompt's blocks.
-        # Checked after a newcomer (TensorRT-LLM's list order), it could lose that reservation
-        # to it or, when a newcomer that had been skipped (2.9) comes back ahead of it and no
-        # longer fits, be shut out by the break for good: nothing else would free the blocks.
-        if started:
-            if len(started) < len(pending):
-                taken = set(started)
-                pending = started + [req for req in pending if req not in taken]
-            else:
-                pending = started
         for pending_list, out in ((pending_gen_init, gen_init), (pending, fitting)):
             for req in pending_list:
                 if req.state in lean_contexts and req.lora_task_id is None:
