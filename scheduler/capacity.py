@@ -207,15 +207,7 @@ class CapacityScheduler:
         walk_cross = cross_view is not None and cross_view.reuse_walk
         if not (walk_self or walk_cross):
             return contributed, cross_contributed
-        context_states = self._context_states
-        # Context requests not on their first chunk (is_first_context_chunk, without the
-        # property); the kind first: most requests are not contexts.
-        executing = [
-            req
-            for req in requests
-            if req.state in context_states
-            and req.context_current_position != req.prepopulated_prompt_len
-        ]
+        executing = self._started_contexts(requests)
         prefix_summary = view.prefix_summary
         for req in executing:
             if walk_self:
@@ -227,6 +219,13 @@ class CapacityScheduler:
                 if block is not None:
                     cross_contributed.add(block)
         return contributed, cross_contributed
+
+    def _started_contexts(self, requests: Sequence[LlmRequest]) -> list[LlmRequest]:
+        """The context requests past their first chunk (is_first_context_chunk inlined), in
+        order: they hold their prompt's blocks. The kind first: most requests are no contexts."""
+        states = self._context_states
+        return [r for r in requests
+                if r.state in states and r.context_current_position != r.prepopulated_prompt_len]
 
     # ---- GUARANTEED_NO_EVICT and STATIC_BATCH (scheduling.md 2.2-2.4) ----------------------
     def _schedule_no_evict(
@@ -264,12 +263,8 @@ class CapacityScheduler:
         admitted = 0
         unvisited: Sequence[LlmRequest] = ()
         for req in requests:
-            if (
-                req.state in lean_states
-                and req.beam_width == 1
-                and req.lora_task_id is None
-                and admitted < cap
-            ):
+            if (req.state in lean_states and req.beam_width == 1 and req.lora_task_id is None
+                    and admitted < cap):
                 req.estimated_reusable_tokens = 0  # what its estimate sets
                 admit(req)
                 admitted += 1
@@ -302,6 +297,12 @@ class CapacityScheduler:
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return CapacityOutput(fitting, gen_init, [])
+        # Started contexts (past their first chunk) first: their blocks are reserved, and a
+        # newcomer's misfit must not shut them out (scheduling.md 2.2, issue 46). Order kept.
+        started = self._started_contexts(pending)
+        if started:
+            taken = set(started)
+            pending = started + [r for r in pending if r not in taken]
         charged = None
         if len(fitting) > len(exact):
             # The short path's requests, in order: the running requests in ``fitting`` (only
@@ -318,10 +319,9 @@ class CapacityScheduler:
         walk_cross = prefix_aware and cross and cross_view.reuse_walk  # type: ignore[union-attr]
         skipping = not static and self._skipping_is_relevant(view, cross_view)
         if skipping:
-            # The contexts past their first chunk are among the deferred requests, or past the
-            # cap; pass 1 took every other kind.
+            # The executing contexts: ``started``, then those past the cap (list order).
             contributed, cross_contributed = self._contexts_already_executing(
-                (*pending, *unvisited) if unvisited else pending, view, cross_view
+                (*started, *unvisited) if unvisited else started, view, cross_view
             )
         prefix_summary = view.prefix_summary
         cross_prefix_summary = cross_view.prefix_summary if cross_view is not None else None

@@ -299,8 +299,8 @@ class LlmRequest:
 
     def set_prepopulated_prompt_len(self, prepopulated: int, tokens_per_block: int) -> None:
         """Skip a cached prefix: the position jumps past it and, for a non-last chunk, the chunk
-        shrinks so that it still ends on a block boundary (the chunk is shifted, not shrunk by the
-        credit; scheduling.md 3.5)."""
+        shrinks so that it still ends on a block boundary, unless that would leave nothing (the
+        chunk is shifted, not shrunk by the credit; scheduling.md 3.5)."""
         if not 0 <= prepopulated < self.prompt_len:
             raise ValueError(
                 f"prepopulated length {prepopulated} must lie in [0, {self.prompt_len})"
@@ -311,7 +311,13 @@ class LlmRequest:
         chunk = self._context_chunk_size
         if prepopulated + chunk < self.prompt_len:
             floored_end = (prepopulated + chunk) // tokens_per_block * tokens_per_block
-            chunk = max(0, floored_end - prepopulated)
+            # pdserve (scheduling.md 3.5): a chunk shorter than a block is kept, not shrunk to
+            # nothing. Shrunk, the request would hold its prompt's blocks while still on its
+            # first chunk, which MAX_UTILIZATION neither pauses (not started) nor admits (it
+            # charges the prompt's blocks again): with no block free it would never run. Only a
+            # chunk unit that is no block multiple gets here, which TensorRT-LLM refuses.
+            if floored_end > prepopulated:
+                chunk = floored_end - prepopulated
         self.context_current_position = prepopulated
         self._context_chunk_size = min(chunk, self.context_remaining_length)
 

@@ -14,7 +14,11 @@ exact ``KVCacheManager`` without a cross pool) was tested to decide exactly alik
 
 Changes from the original: the plain-path dispatch is gone (every pool takes the generic path),
 the pieces of the three files sit in this one module, and the class is ``OracleCapacityScheduler``.
-Do not edit the decision logic: it is the reference the new code is compared with.
+One deliberate change of decisions since, made in the scheduler and here together: issue 46
+(GUARANTEED_NO_EVICT / STATIC_BATCH pass 2 takes the contexts past their first chunk before the
+other pending requests, so that a first-chunk request cannot shut a started one out for good;
+docs/scheduling.md 2.2). Do not edit the decision logic otherwise: it is the reference the new
+code is compared with.
 """
 from __future__ import annotations
 
@@ -262,6 +266,7 @@ class OracleCapacityScheduler:
         fitting: list[LlmRequest] = []
         gen_init: list[LlmRequest] = []
         pending_gen_init: list[LlmRequest] = []
+        started: list[LlmRequest] = []  # contexts past their first chunk (issue 46)
         pending: list[LlmRequest] = []
         seen_tasks: set[Any] = set()
         claimed_peft = 0
@@ -288,8 +293,12 @@ class OracleCapacityScheduler:
                         claimed_peft += peft.determine_num_pages(req)
             elif kind == _GEN_INIT:
                 pending_gen_init.append(req)
+            elif kind == _CONTEXT and not req.is_first_context_chunk:
+                started.append(req)
             else:
                 pending.append(req)
+        # Issue 46: started contexts are considered before the other pending requests.
+        pending = started + pending
 
         if (static and admitted > 0) or not (pending or pending_gen_init):
             return OracleCapacityOutput(fitting, gen_init, [])

@@ -193,6 +193,24 @@ def test_gen_init_kv_misfit_does_not_stop_context_candidates() -> None:
     assert run(GNE, [c, small], kv) == ([1], [3], [])
 
 
+@pytest.mark.parametrize("policy", [GNE, STATIC])
+def test_started_context_is_tried_before_first_chunk_requests_listed_ahead(policy: P) -> None:
+    """scheduling.md 2.2, pdserve (issue 46): pass 2 takes the contexts past their first chunk
+    first. TensorRT-LLM's list order would let the newcomer take the started request's reserved
+    blocks, or, when the newcomer does not fit, end the pass before the started request."""
+    kv = KVCacheManager(10, B)
+    started = ctx(1, 9, 8)  # 5 blocks to completion, 3 of them (its prompt) held: needs 2
+    kv.add_sequence(started)
+    started.context_current_position = 4  # its first chunk ran
+    assert kv.get_num_free_blocks() == 7
+    fits_alone = ctx(2, 20, 8)  # needs 7: all that is free
+    too_big = ctx(3, 28, 4)  # needs 8
+    assert run(policy, [fits_alone, started], kv) == ([1], [], [])
+    assert run(policy, [too_big, started], kv) == ([1], [], [])
+    small = ctx(4, 4, 4)  # needs 2: both fit, started listed first
+    assert run(policy, [small, started], kv) == ([1, 4], [], [])
+
+
 def test_failed_probe_leaves_no_trace_no_evict() -> None:
     """A candidate whose blocks fit but whose LoRA pages do not is skipped without reserving."""
     kv = KVCacheManager(10, B)
