@@ -45,12 +45,12 @@ def _bound_steps(llm: LLM, max_steps: int) -> list[int]:
 
     def bounded_step():
         if taken[0] >= max_steps:
-            executor = engine.executor
+            core = engine.core
             states = [(r.request_id, r.state.name, r.context_current_position, r.prompt_len)
-                      for r in executor.active]
+                      for r in core.active]
             raise AssertionError(
                 f"generate() still running after {max_steps} steps: {states}, "
-                f"{executor.kv.get_num_free_blocks()} of {executor.kv.num_blocks} blocks free")
+                f"{core.kv.get_num_free_blocks()} of {core.kv.num_blocks} blocks free")
         taken[0] += 1
         return step()
 
@@ -65,6 +65,6 @@ def test_generate_returns_with_every_request_finished(model_dir, num_kv_blocks):
     outs = llm.generate(PROMPTS, PARAMS)
     assert [len(o.token_ids) for o in outs] == [4, 4, 4]
     assert all(o.finished and o.finish_reason == "length" for o in outs)
-    kv = llm.engine.executor.kv
+    kv = llm.engine.core.kv
     assert kv.get_num_free_blocks() == kv.num_blocks
     assert taken[0] < 40

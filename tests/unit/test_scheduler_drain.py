@@ -1,6 +1,6 @@
-"""Liveness: workloads the executor accepts drain (issue 46).
+"""Liveness: workloads the engine core accepts drain (issue 46).
 
-A request the executor accepts fits an empty pool on its own (``Executor.add_request`` refuses
+A request the engine core accepts fits an empty pool on its own (``EngineCore.add_request`` refuses
 P + N beyond the pool) and, without chunking, fits one step. Among such requests the schedulers
 must never reach a state where nothing can run: no transfers are involved, so a step that
 schedules nothing while requests are active leaves the state as it was, and every later step
@@ -55,7 +55,7 @@ def _worker(policy, *, tokens_per_block, num_blocks, max_batch_size, max_num_tok
         max_batch_size=max_batch_size,
         max_num_tokens=max_num_tokens,
     )
-    # Without chunking a paused request's folded prompt must still fit one step (the executor's
+    # Without chunking a paused request's folded prompt must still fit one step (the engine core's
     # max_input_len does the same).
     max_input_len = max_num_tokens if chunking is None else 10_000
     return SimulatedWorker(scheduler, kv, max_input_len=max_input_len)
@@ -157,7 +157,7 @@ def test_max_utilization_runs_a_request_whose_first_chunk_is_shorter_than_a_bloc
 
 # ---- random workloads ---------------------------------------------------------------------------
 # Every capacity policy and chunking setting, with random engine settings and workloads of
-# requests the executor accepts: each must drain. A step that runs nothing while requests are
+# requests the engine core accepts: each must drain. A step that runs nothing while requests are
 # active fails at once (``_drain``); the step bound is far above what progress needs (a step
 # that runs anything advances some prompt or decode by a token, and a MAX_UTILIZATION pause
 # only costs its recompute).
@@ -187,7 +187,7 @@ def _run_workload(policy, chunking, reuse, engine, specs):
         max_num_tokens = max(max_num_tokens, max(p for p, _, _, _ in specs))  # a prompt a step
     else:
         max_num_tokens = max(max_num_tokens, unit)  # a chunk of one unit fits a step
-    # The smallest pool the executor accepts these requests on (workers/admission.py).
+    # The smallest pool the engine core accepts these requests on (workers/engine/admission.py).
     needed = max(-(-(p + n) // b) for p, n, _, _ in specs)
     worker = _worker(
         policy, tokens_per_block=b, num_blocks=needed + engine["spare_blocks"],
