@@ -156,6 +156,7 @@ class Client:
         disaggregation: str = "AUTO",
         request_id: str | None = None,
         deadline_ms: int | None = None,
+        add_special_tokens: bool | None = None,
         **more_sampling,
     ) -> pb.GenerateRequest:
         """``more_sampling``: any other field of the proto's SamplingParams by name (min_tokens,
@@ -192,6 +193,8 @@ class Client:
             req.request_id = request_id
         if deadline_ms is not None:
             req.deadline_ms = deadline_ms
+        if add_special_tokens is not None:  # unset: the router's default (true)
+            req.add_special_tokens = add_special_tokens
         return req
 
     def generate_stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[pb.GenerateResponse]:

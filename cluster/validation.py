@@ -23,6 +23,7 @@ DEFAULT_PRIORITY = 0.5
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+DEFAULT_ADD_SPECIAL_TOKENS = True  # vLLM's for completions (see GenerateSpec.add_special_tokens)
 
 
 class ValidationError(FieldError):
@@ -68,6 +69,11 @@ class GenerateSpec:
     disaggregation: int = DisaggregationMode.AUTO
     deadline_ms: int | None = None
     echo: bool = False  # the prompt's text (and logprobs) lead the output (OpenAI completions)
+    # A text prompt is tokenized with the tokenizer's special tokens (its post-processor's BOS),
+    # vLLM's default for completions and the gRPC door: Llama 3 and Gemma expect the BOS, and
+    # Gemma without it writes garbage. Chat sets it False, since its template writes the BOS.
+    # Token-id prompts are taken as given whatever it says.
+    add_special_tokens: bool = DEFAULT_ADD_SPECIAL_TOKENS
 
     @property
     def max_tokens(self) -> int:

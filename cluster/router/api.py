@@ -33,9 +33,9 @@ class FrontDoorApi(Protocol):
 
     def live_counters(self) -> LiveCounters: ...
 
-    async def tokenize(self, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
-        """A text's token ids, as admission tokenizes them (or with the tokenizer's special
-        tokens added); raises ``ValidationError`` naming ``field``."""
+    async def tokenize(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        """A text's token ids, as admission tokenizes them, with or without the tokenizer's
+        special tokens (its BOS); raises ``ValidationError`` naming ``field``."""
 
     def note_rejected(self) -> None:
         """Count a request the door refused before admit() (the router's rejected total)."""

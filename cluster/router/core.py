@@ -241,7 +241,9 @@ class Router:
     async def _prompt_ids(self, spec: V.GenerateSpec) -> list[int]:
         if spec.token_ids is not None:
             return list(spec.token_ids)
-        ids = await self.tokenize(spec.text, "prompt.text")
+        # The ids tokenized here (BOS included when the spec asks for it) are the ones the
+        # dispatcher hashes for prefix routing and the workers prefill, so they cannot disagree.
+        ids = await self.tokenize(spec.text, "prompt.text", spec.add_special_tokens)
         if not ids:
             raise V.ValidationError("prompt.text", "encodes to no tokens")
         if self.limits.max_input_len is not None and len(ids) > self.limits.max_input_len:
@@ -253,11 +255,14 @@ class Router:
                                                            f"{self.limits.max_seq_len}")
         return ids
 
-    async def tokenize(self, text: str, field: str, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
         """Token ids of a text prompt, encoded on a small thread pool so a long prompt never
-        stalls the streams on the router's loop. A text whose UTF-8 length alone proves it is
-        too long (more bytes than max_input_len tokens of the longest token can hold) is
-        refused before any tokenizing (``ValidationError`` naming ``field``)."""
+        stalls the streams on the router's loop; ``add_special_tokens``: with the tokenizer's
+        post-processor (its BOS), which every caller decides (completions yes, a rendered chat
+        template no). A text whose UTF-8 length alone proves it is too long (more bytes than
+        max_input_len tokens of the longest token can hold) is refused before any tokenizing
+        (``ValidationError`` naming ``field``); added special tokens only make it longer, so the
+        bound stays a bound."""
         nbytes = len(text.encode("utf-8", "surrogatepass"))
         if self.limits.max_input_len is not None and nbytes > self.max_prompt_bytes:
             raise V.ValidationError(field, f"{nbytes} bytes cannot fit max_input_len "

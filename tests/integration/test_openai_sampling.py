@@ -7,6 +7,7 @@ naming the field and the server stays up."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,11 +57,12 @@ def test_penalties_and_logprobs_across_the_split_equal_the_engine(cluster, engin
     oa = client(cluster)
     model = oa.models.list().data[0].id
     ids = U.prompts(1, seed=77, lo=14, hi=20)[0]
+    # Greedy: min_p would change nothing here, so it has a sampled test of its own (below).
     sampling = dict(temperature=0, max_tokens=20, presence_penalty=0.8, frequency_penalty=0.6,
-                    ignore_eos=True, repetition_penalty=1.4, logit_bias={ids[0]: -5.0}, min_p=0.05)
+                    ignore_eos=True, repetition_penalty=1.4, logit_bias={ids[0]: -5.0})
     want = engine.generate([ids], SamplingParams(logprobs=3, prompt_logprobs=3, **sampling))[0]
     body = {k: sampling[k] for k in ("presence_penalty", "frequency_penalty")}
-    extra = {"ignore_eos": True, "repetition_penalty": 1.4, "min_p": 0.05}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.4}
     full = oa.completions.create(model=model, prompt=ids, max_tokens=20, temperature=0, logprobs=3, echo=True,
                                  logit_bias={str(ids[0]): -5}, extra_body=extra, **body)
     choice = full.choices[0]
@@ -132,6 +134,43 @@ def test_json_schema_and_regex_outputs_validate_streamed_or_not(cluster):
     choice = oa.completions.create(model=model, prompt="pick:", max_tokens=10, temperature=1.0, seed=2,
                                    extra_body={"guided_choice": ["red", "green", "blue"]})
     assert choice.choices[0].text in ("red", "green", "blue")
+    U.wait_drained(cluster)
+
+
+def test_min_p_across_the_split_keeps_every_draw_in_its_set(cluster, engine):
+    """min_p where it cuts: the built-in model's logits are nearly flat (the top 20 within
+    about 0.3 of each other), so at temperature 0.05 min_p 0.2 keeps the tokens whose raw
+    logprob is within 0.05 x ln 5 (0.08) of the best: a few of the vocabulary at every step. Each
+    draw of the split request (first token on the context worker, the rest on the generation
+    worker) lies in that set, and the same seed without min_p draws outside it."""
+    oa = client(cluster)
+    temperature, min_p, seed = 0.05, 0.2, 1
+    ids = U.prompts(1, seed=78, lo=14, hi=20)[0]
+    params = SamplingParams(max_tokens=16, temperature=temperature, min_p=min_p, seed=seed, logprobs=20,
+                            ignore_eos=True)
+
+    def gap(entry, token_logprob: float) -> float:
+        """log(p_T(token) / p_T(best)) at the temperature: raw logprob differences over T."""
+        return (token_logprob - entry.top[0][1]) / temperature
+
+    want = engine.generate([ids], params)[0]
+    assert all(gap(e, e.logprob) >= math.log(min_p) - 1e-4 for e in want.logprobs)
+    # The set is strictly smaller than the vocabulary at every step: the 20th best is outside it.
+    assert all(gap(e, e.top[-1][1]) < math.log(min_p) for e in want.logprobs)
+    plain = engine.generate([ids], params.replace(min_p=0.0))[0]
+    assert any(gap(e, e.logprob) < math.log(min_p) for e in plain.logprobs)  # min_p decided some draws
+    assert plain.token_ids != want.token_ids
+
+    out = oa.completions.create(model=oa.models.list().data[0].id, prompt=ids, max_tokens=16,
+                                temperature=temperature, seed=seed, logprobs=20,
+                                extra_body={"min_p": min_p, "ignore_eos": True})
+    choice = out.choices[0]
+    assert out.model_extra["pdserve_timings"]["ctx_worker"] == "ctx-0"  # it was split
+    assert choice.text == want.text
+    assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    # The response's own figures: each drawn token within min_p of the step's best.
+    for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+        assert (lp - max(top.values())) / temperature >= math.log(min_p) - 1e-3
     U.wait_drained(cluster)
 
 
@@ -305,10 +344,32 @@ def test_forced_tool_calls_validate_streamed_or_not_and_tool_turns_render(tools_
     after = oa.chat.completions.create(model=model, messages=followup, tools=[WEATHER], max_tokens=4,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert after.choices[0].message.content is not None and after.usage.prompt_tokens > 30
-    # "auto": the model may answer or call; the Hermes parser reads whichever it wrote.
+    # "auto": the model may answer or call, and the Hermes parser reads whichever it wrote. A random
+    # model writes neither on its own, so a guided regex makes it write each (auto forces no
+    # grammar of its own, so the client's applies), and the test checks what was parsed.
+    call_regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 3\}\}'
+                  r'\n</tool_call>')
     auto = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="auto",
-                                      max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
-    assert auto.choices[0].finish_reason in ("length", "tool_calls", "stop")
+                                      max_tokens=120, temperature=0, extra_body={"guided_regex": call_regex})
+    message = auto.choices[0].message
+    assert auto.choices[0].finish_reason == "tool_calls" and message.content is None, auto.choices[0]
+    assert len(message.tool_calls) == 1 and message.tool_calls[0].id.startswith("call_")
+    assert message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Oslo", "days": 3}
+    # Streamed: the deltas add up to the same call.
+    chunks = [c for c in oa.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], tool_choice="auto", max_tokens=120, temperature=0,
+        stream=True, extra_body={"guided_regex": call_regex}) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Oslo", "days": 3}
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    # Plain text under "auto" stays content, with no call.
+    answer = oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="auto",
+                                        max_tokens=40, temperature=0,
+                                        extra_body={"guided_choice": ["It is sunny in Oslo."]})
+    assert answer.choices[0].message.content == "It is sunny in Oslo."
+    assert answer.choices[0].message.tool_calls in (None, []) and answer.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as info:
         oa.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=4,
                                    tool_choice={"type": "function", "function": {"name": "nope"}})

@@ -73,7 +73,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            # vLLM's LLM.generate: a text prompt gets the tokenizer's special tokens (its BOS).
+            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt token ids must not be empty")

@@ -12,6 +12,7 @@ from pdserve.cluster.router import ClusterSnapshot, RouterErrorKind, RouterOutpu
 from pdserve.cluster.router.outputs import WorkerSnapshot
 from pdserve.cluster.rpc import router_pb2 as pb
 from pdserve.cluster.validation import (
+    DEFAULT_ADD_SPECIAL_TOKENS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_PRIORITY,
     DEFAULT_TEMPERATURE,
@@ -64,6 +65,8 @@ def spec_from_proto(request: pb.GenerateRequest) -> GenerateSpec:  # type: ignor
         agent_hierarchy=tuple((level.agent_type, level.node_id) for level in request.agent_hierarchy),
         disaggregation=int(request.disaggregation),
         deadline_ms=request.deadline_ms if request.HasField("deadline_ms") else None,
+        add_special_tokens=(request.add_special_tokens if request.HasField("add_special_tokens")
+                            else DEFAULT_ADD_SPECIAL_TOKENS),
     )
 
 

@@ -33,10 +33,14 @@ COMPLETIONS, CHAT = "completions", "chat"
 
 # Fields each endpoint uses (besides the no-op and ignored ones below).
 _USED = {
-    COMPLETIONS: {"model", "prompt", "max_tokens", "logprobs", "echo", "best_of"},
+    COMPLETIONS: {"model", "prompt", "max_tokens", "logprobs", "echo", "best_of", "add_special_tokens"},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-           "tools", "tool_choice", "parallel_tool_calls"},
+           "tools", "tool_choice", "parallel_tool_calls", "add_special_tokens"},
 }
+# vLLM's add_special_tokens defaults: a completions prompt gets the tokenizer's special tokens
+# (its BOS); a chat template writes its own, so chat adds none unless asked (then, as in vLLM,
+# a template that writes a BOS gets a second one: the client asked for it).
+ADD_SPECIAL_TOKENS_DEFAULT = {COMPLETIONS: True, CHAT: False}
 # The sampling record's fields, as vLLM's OpenAI server takes them (SamplingParams says how each
 # is applied), and pdserve's own extras.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "min_tokens",
@@ -54,14 +58,12 @@ _NO_OP = {
     "suffix": (None,),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "add_special_tokens": (None, False),
     "functions": (None, []),
     "function_call": (None, "none"),
 }
 _NO_OP_FIELDS = {
-    COMPLETIONS: {"suffix", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"},
-    CHAT: {"functions", "function_call", "skip_special_tokens", "spaces_between_special_tokens",
-           "add_special_tokens"},
+    COMPLETIONS: {"suffix", "skip_special_tokens", "spaces_between_special_tokens"},
+    CHAT: {"functions", "function_call", "skip_special_tokens", "spaces_between_special_tokens"},
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -219,6 +221,7 @@ def parse_request(body: Any, kind: str, served_model: str) -> ParsedRequest:
         disaggregation=_disaggregation(body.get("disaggregation")),
         deadline_ms=body.get("deadline_ms"),
         echo=echo,
+        add_special_tokens=_add_special_tokens(body.get("add_special_tokens"), kind),
     )
     if kind == COMPLETIONS:
         text, token_ids = _prompt(body.get("prompt"))
@@ -257,8 +260,8 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
         raise invalid("chat_template_kwargs", "is not supported")
     if chat and body.get("continue_final_message") not in (None, False):
         raise invalid("continue_final_message", "is not supported")
-    add_special = body.get("add_special_tokens")
-    add_special = (not chat) if add_special is None else _bool(add_special, "add_special_tokens")
+    # The same defaults as the request it previews: a prompt as completions, messages as chat.
+    add_special = _add_special_tokens(body.get("add_special_tokens"), CHAT if chat else COMPLETIONS)
     strs = _bool(body.get("return_token_strs"), "return_token_strs")
     if chat:
         gen = body.get("add_generation_prompt")
@@ -430,6 +433,14 @@ def _prompt(value: Any) -> tuple[str | None, tuple | None]:
     if value is None:
         raise invalid("prompt", "is required")
     raise invalid("prompt", f"must be a string or a list of token ids, got {type(value).__name__}")
+
+
+def _add_special_tokens(value: Any, kind: str) -> bool:
+    """For a text prompt only (completions) or the rendered template (chat); token-id prompts
+    are never changed."""
+    if value is None:
+        return ADD_SPECIAL_TOKENS_DEFAULT[kind]
+    return _bool(value, "add_special_tokens")
 
 
 def _messages(value: Any) -> tuple[dict[str, Any], ...]:

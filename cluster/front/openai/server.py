@@ -320,7 +320,8 @@ class OpenAIServer:
             return spec
         text = await self._render(parsed.messages, True, parsed.tools)
         try:
-            ids = await self.api.tokenize(text, "messages")
+            # The template writes its own BOS: no special tokens unless the client asks.
+            ids = await self.api.tokenize(text, "messages", spec.add_special_tokens)
         except ValidationError as exc:
             raise invalid(exc.field, exc.message) from None
         if not parsed.max_tokens_given:
@@ -374,6 +375,7 @@ class _Choice:
         self.sampling = spec.sampling
         self.prompt_ids = list(prompt_ids)
         self.echo = spec.echo
+        self.prompt_text = spec.text
         self.texts: list[str] = []
         self.parts: list[Any] = []  # completions: logprob dicts; chat: content entries
         self.prompt_logprobs: list[Any] | None = None
@@ -383,6 +385,11 @@ class _Choice:
         self.completion_tokens = 0
 
     def _echo_text(self) -> str:
+        # vLLM's rule: a text prompt is echoed as the client sent it (not as its ids decode: the
+        # BOS that tokenizing added is no part of what the client wrote); a token-id prompt as
+        # its ids decode.
+        if self.prompt_text is not None:
+            return self.prompt_text
         return self.api.detokenize(self.prompt_ids)
 
     def delta(self, out) -> tuple[str, Any, Any]:
