@@ -105,6 +105,13 @@ SIZES = {
 }
 MODES = ("vllm", "colocated", "1p1d")
 MODE_LABEL = {"vllm": "vLLM", "colocated": "pdserve colocated", "1p1d": "pdserve 1P1D"}
+PDSERVE_MODES = ("colocated", "1p1d")
+# vLLM's server configurations (``--vllm-configs``) and the key each one's server, rows and JSON
+# entries go under. "default" keeps the key "vllm" so results from before the configurations
+# existed read the same. "equal-cores" is the same server with its engine's OpenMP threads bound
+# to every CPU this process may run on (what pdserve's ``--torch-threads auto`` gives a colocated
+# worker), instead of vLLM's ``auto``, which on 2 CPUs gives its engine one core.
+VLLM_CONFIGS = {"default": "vllm", "equal-cores": "vllm-equal"}
 # (key in vLLM's result file, label, higher is better)
 METRICS = (("output_throughput", "output tok/s", True), ("request_throughput", "request/s", True),
            ("p50_ttft_ms", "TTFT p50 ms", False), ("p90_ttft_ms", "TTFT p90 ms", False),
@@ -113,10 +120,55 @@ KEPT_KEYS = ("completed", "failed", "duration", "total_output_tokens", "output_t
              "mean_ttft_ms", "p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p90_tpot_ms",
              "p50_itl_ms", "p90_itl_ms", "p50_e2el_ms", "p90_e2el_ms")
 VLLM_OFFLINE_KV_GIB = "2"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"  # raw JSON of the runs docs/benchmarks.md cites (not a package)
+ISA_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
 
 
 def log(msg: str) -> None:
     print(f"[vs_vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_list_text(cpus: Sequence[int]) -> str:
+    """CPU ids as a Linux cpu-list (``0-1``, ``0,2-3``): the form VLLM_CPU_OMP_THREADS_BIND
+    takes for one engine (no ``|``: one list per local rank, and a single server has one)."""
+    ids = sorted(set(cpus))
+    if not ids:
+        raise ValueError("no CPUs")
+    runs = [[ids[0], ids[0]]]  # [first, last] of each run of consecutive ids
+    for cpu in ids[1:]:
+        if cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def equal_cores_bind() -> str:
+    """The bind for vLLM's equal-cores configuration: every CPU of this process's affinity, which
+    is what pdserve's workers count (workers/process/ray_worker.py: ``os.sched_getaffinity``)."""
+    return cpu_list_text(sorted(os.sched_getaffinity(0)))
+
+
+def server_keys(modes: Sequence[str], vllm_configs: Sequence[str]) -> list[str]:
+    """The servers a run starts, in start (and round-1 drive) order: one per vLLM configuration
+    when ``vllm`` is among the modes, then the pdserve modes in the order given."""
+    keys = [VLLM_CONFIGS[c] for c in vllm_configs] if "vllm" in modes else []
+    return keys + [m for m in modes if m != "vllm"]
+
+
+def server_labels(vllm_binds: dict[str, str]) -> dict[str, str]:
+    """Row and column labels; a vLLM label says where its engine runs (``vllm_binds``: key ->
+    VLLM_CPU_OMP_THREADS_BIND), since that is what tells its rows apart."""
+    labels = {m: MODE_LABEL[m] for m in PDSERVE_MODES}
+    for key, bind in vllm_binds.items():
+        if key == VLLM_CONFIGS["equal-cores"]:
+            labels[key] = f"vLLM (equal cores: {bind})"
+        elif bind == "auto":
+            labels[key] = "vLLM (default: bind auto)"
+        else:
+            labels[key] = f"vLLM (bind {bind})"
+    return labels
 
 
 def loadavg() -> float:
@@ -323,23 +375,64 @@ class Server:
     port: int
     ready_s: float
     stop: Any  # () -> None
+    affinity: dict[str, list[str]] | None = None  # process name -> its threads' CPU lists
 
 
-def start_vllm_server(ctx: Ctx, size: Size, model: Path) -> Server | dict[str, Any]:
-    """vLLM's OpenAI server, ready; or an ``error`` dict (recorded as a failure)."""
+def process_tree_affinity(root: int) -> dict[str, list[str]]:
+    """Where a process tree's threads may run: process name -> the distinct
+    ``Cpus_allowed_list`` values of its threads, read from /proc (Linux; {} elsewhere). It is the
+    evidence that a VLLM_CPU_OMP_THREADS_BIND took effect: vLLM binds its engine's OpenMP
+    threads, each to one CPU of its list, in the engine-core process."""
+    proc = Path("/proc")
+    try:
+        children: dict[int, list[int]] = {}
+        for d in proc.iterdir():
+            if d.name.isdigit():
+                try:
+                    # the name in field 2 may hold spaces and parentheses: the ppid follows the last ")"
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(d.name))
+        out: dict[str, set[str]] = {}
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            try:
+                name = (proc / str(pid) / "comm").read_text().strip()
+                tasks = list((proc / str(pid) / "task").iterdir())
+            except OSError:
+                continue
+            for t in tasks:
+                try:
+                    for line in (t / "status").read_text().splitlines():
+                        if line.startswith("Cpus_allowed_list:"):
+                            out.setdefault(f"{name} (pid {pid})", set()).add(line.split(":", 1)[1].strip())
+                except OSError:
+                    pass
+        return {k: sorted(v) for k, v in sorted(out.items())}
+    except OSError:
+        return {}
+
+
+def start_vllm_server(ctx: Ctx, size: Size, model: Path, key: str = "vllm") -> Server | dict[str, Any]:
+    """vLLM's OpenAI server in configuration ``key`` (its VLLM_CPU_OMP_THREADS_BIND from
+    ``args.vllm_binds``), ready; or an ``error`` dict (recorded as a failure)."""
     from openai_harnesses import _kill_group, free_port, tail
     from vllm_oracle import start_vllm, wait_ready
 
     a = ctx.args
+    bind = a.vllm_binds[key]
     port = free_port()
-    logf = ctx.work / f"vllm-server-{size.name}.log"
+    logf = ctx.work / f"{key}-server-{size.name}.log"
     extra = ["--dtype", a.dtype, "--max-model-len", "2048",
              "--enforce-eager" if a.vllm_enforce_eager else "--no-enforce-eager"]
-    log(f"{size.name}: starting vLLM's OpenAI server ({'eager' if a.vllm_enforce_eager else 'torch.compile'}, "
-        f"{a.dtype}, VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}) on port {port}")
+    log(f"{size.name}: starting {a.labels[key]}: vLLM's OpenAI server "
+        f"({'eager' if a.vllm_enforce_eager else 'torch.compile'}, {a.dtype}, VLLM_CPU_OMP_THREADS_BIND={bind}) "
+        f"on port {port}")
     t0 = time.monotonic()
-    proc = start_vllm(a.vllm_venv, model, port, logf, extra,
-                      env_overrides={"VLLM_CPU_OMP_THREADS_BIND": a.vllm_threads_bind})
+    proc = start_vllm(a.vllm_venv, model, port, logf, extra, env_overrides={"VLLM_CPU_OMP_THREADS_BIND": bind})
     try:
         wait_ready(port, proc, a.server_timeout)
     except (RuntimeError, TimeoutError) as exc:
@@ -351,8 +444,9 @@ def start_vllm_server(ctx: Ctx, size: Size, model: Path) -> Server | dict[str, A
         _kill_group(proc, grace_s=20)
         raise
     ready = time.monotonic() - t0
-    log(f"{size.name}: vLLM ready in {ready:.0f} s")
-    return Server("vllm", port, round(ready, 1), lambda: _kill_group(proc, grace_s=20))
+    affinity = process_tree_affinity(proc.pid)
+    log(f"{size.name}: {a.labels[key]} ready in {ready:.0f} s; threads' CPUs: {affinity}")
+    return Server(key, port, round(ready, 1), lambda: _kill_group(proc, grace_s=20), affinity)
 
 
 def start_pdserve_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server | dict[str, Any]:
@@ -379,19 +473,28 @@ def start_pdserve_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server
 
 
 def start_server(ctx: Ctx, size: Size, model: Path, mode: str) -> Server | dict[str, Any]:
-    return start_vllm_server(ctx, size, model) if mode == "vllm" else start_pdserve_server(ctx, size, model, mode)
+    if mode in VLLM_CONFIGS.values():
+        return start_vllm_server(ctx, size, model, mode)
+    return start_pdserve_server(ctx, size, model, mode)
+
+
+def served(server: Server, runs: dict[int, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"ready_s": server.ready_s, "runs": runs}
+    if server.affinity is not None:
+        out["thread_cpus"] = server.affinity
+    return out
 
 
 def serve_one_at_a_time(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
     """Each server alone on the machine: started, driven at every concurrency, stopped."""
     serve: dict[str, Any] = {}
-    for mode in ctx.args.modes:
+    for mode in ctx.args.servers:
         server = start_server(ctx, size, model, mode)
         if not isinstance(server, Server):
             serve[mode] = server
             continue
         try:
-            serve[mode] = {"ready_s": server.ready_s, "runs": run_harness(ctx, size, model, mode, server.port)}
+            serve[mode] = served(server, run_harness(ctx, size, model, mode, server.port))
         finally:
             server.stop()
     return serve
@@ -407,7 +510,7 @@ def serve_interleaved(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
     servers: dict[str, Server] = {}
     serve: dict[str, Any] = {}
     try:
-        for mode in a.modes:
+        for mode in a.servers:
             server = start_server(ctx, size, model, mode)
             if isinstance(server, Server):
                 servers[mode] = server
@@ -422,18 +525,27 @@ def serve_interleaved(ctx: Ctx, size: Size, model: Path) -> dict[str, Any]:
                     rows[mode][conc].append(run_one(ctx, size, model, mode, servers[mode].port, conc,
                                                     a.seed + 1000 * r + i, tag=f"-r{r + 1}"))
         for mode, server in servers.items():
-            serve[mode] = {"ready_s": server.ready_s,
-                           "runs": {conc: median_row(rows[mode][conc]) for conc in a.concurrency}}
+            serve[mode] = served(server, {conc: median_row(rows[mode][conc]) for conc in a.concurrency})
     finally:
         for server in servers.values():
             server.stop()
     return serve
 
 
-def round_ratios(serve: dict[str, Any], mode: str, conc: int, key: str, higher: bool) -> list[float]:
-    """pdserve/vLLM per round (paired: measured minutes apart), for the interleaved runs."""
+def round_rows(serve: dict[str, Any], mode: str, conc: int) -> list[dict[str, Any]]:
+    """A server's rows at one concurrency, one per round (a one-at-a-time run has one round)."""
+    row = ((serve.get(mode) or {}).get("runs") or {}).get(conc)
+    if not row:
+        return []
+    return row.get("rounds") or [row]
+
+
+def round_ratios(serve: dict[str, Any], mode: str, conc: int, key: str, higher: bool,
+                 ref: str = "vllm") -> list[float]:
+    """pdserve/vLLM per round (paired: measured minutes apart), for the interleaved runs; ``ref``
+    is the vLLM configuration's key."""
     ours = ((serve.get(mode) or {}).get("runs") or {}).get(conc, {}).get("rounds") or []
-    theirs = ((serve.get("vllm") or {}).get("runs") or {}).get(conc, {}).get("rounds") or []
+    theirs = ((serve.get(ref) or {}).get("runs") or {}).get(conc, {}).get("rounds") or []
     out = []
     for o, t in zip(ours, theirs):
         r = ratio(o.get(key), t.get(key), higher)
@@ -461,21 +573,24 @@ def metric(serve: dict[str, Any], mode: str, conc: int, key: str) -> float | Non
     return None if row.get("error") else row.get(key)
 
 
-def size_table(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: Sequence[str]) -> list[str]:
+def size_table(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: Sequence[str],
+               ref: str | None = "vllm", ref_label: str = "vLLM") -> list[str]:
+    """Rows concurrency x metric: the vLLM configuration ``ref`` (None: no vLLM column), then
+    each pdserve mode with its ratio against ``ref``."""
     header = ["conc", "metric"]
-    if "vllm" in modes:
-        header.append("vLLM")
-    for m in ("colocated", "1p1d"):
+    if ref:
+        header.append(ref_label)
+    for m in PDSERVE_MODES:
         if m in modes:
             header += [MODE_LABEL[m], "ratio"]
     rows = [header]
     for conc in concs:
         for key, label, higher in METRICS:
-            theirs = metric(serve, "vllm", conc, key)
+            theirs = metric(serve, ref, conc, key) if ref else None
             row = [str(conc), label]
-            if "vllm" in modes:
+            if ref:
                 row.append(_fmt(theirs))
-            for m in ("colocated", "1p1d"):
+            for m in PDSERVE_MODES:
                 if m in modes:
                     ours = metric(serve, m, conc, key)
                     r = ratio(ours, theirs, higher)
@@ -490,29 +605,62 @@ def size_table(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: S
     return lines
 
 
-def goal_line(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: Sequence[str]) -> tuple[str, bool]:
+def round_lines(serve: dict[str, Any], keys: Sequence[str], concs: Sequence[int],
+                labels: dict[str, str]) -> list[str]:
+    """Every round's own figures, per concurrency and server, in drive order within the round:
+    the medians hide how far two rounds of the same server lie apart, which is the noise a
+    reader needs to judge a ratio."""
+    width = max([len(labels.get(k, k)) for k in keys] + [6])
+    lines = []
+    for conc in concs:
+        rounds = max([len(round_rows(serve, k, conc)) for k in keys] + [0])
+        for r in range(rounds):
+            for k in keys:
+                rows = round_rows(serve, k, conc)
+                if r >= len(rows):
+                    continue
+                row = rows[r]
+                if row.get("error"):
+                    figures = f"error: {str(row['error'])[:80]}"
+                else:
+                    figures = (f"{_fmt(row.get('output_throughput')):>7} tok/s  TPOT p50 "
+                               f"{_fmt(row.get('p50_tpot_ms')):>6} ms  TTFT p50 {_fmt(row.get('p50_ttft_ms')):>7} ms  "
+                               f"(load {row.get('load_before', '-')}-{row.get('load_after', '-')})")
+                lines.append(f"  c={conc:<3} round {r + 1}  {labels.get(k, k):<{width}}  {figures}")
+    return lines
+
+
+def goal_line(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: Sequence[str],
+              ref: str = "vllm", ref_label: str = "vLLM") -> tuple[str, bool]:
     parts, met_all = [], True
     for m, need in (("colocated", 1.1), ("1p1d", 1.0)):
-        if m not in modes or "vllm" not in modes:
+        if m not in modes or ref not in serve:
             continue
         for conc in concs:
-            tok = ratio(metric(serve, m, conc, "output_throughput"), metric(serve, "vllm", conc, "output_throughput"), True)
-            tpot = ratio(metric(serve, m, conc, "p50_tpot_ms"), metric(serve, "vllm", conc, "p50_tpot_ms"), False)
+            tok = ratio(metric(serve, m, conc, "output_throughput"), metric(serve, ref, conc, "output_throughput"), True)
+            tpot = ratio(metric(serve, m, conc, "p50_tpot_ms"), metric(serve, ref, conc, "p50_tpot_ms"), False)
             ok = tok is not None and tpot is not None and tok >= need and tpot >= 1.0
             met_all &= ok
             parts.append(f"  {MODE_LABEL[m]:<17} c={conc:<3} output tok/s {'-' if tok is None else f'{tok:.2f}x'} "
                          f"(need {need:.1f}x), TPOT p50 {'-' if tpot is None else f'{tpot:.2f}x'} (need 1.00x): "
                          f"{'met' if ok else 'NOT met'}")
-    head = (f"goal {size.name} (issue 26: colocated >= 1.1x vLLM's output tok/s, 1P1D >= 1.0x, both with a "
-            f"TPOT p50 no worse): {'met' if met_all and parts else 'NOT met'}")
-    return "\n".join([head, *parts]), met_all
+    head = (f"goal {size.name} against {ref_label} (issue 26: colocated >= 1.1x vLLM's output tok/s, 1P1D >= "
+            f"1.0x, both with a TPOT p50 no worse): {'met' if met_all and parts else 'NOT met'}")
+    return "\n".join([head, *parts]), met_all and bool(parts)
+
+
+def vllm_refs(a: argparse.Namespace, serve: dict[str, Any]) -> list[str]:
+    """The vLLM configurations of this run that have rows to compare against."""
+    return [k for k in a.servers if k in VLLM_CONFIGS.values() and k in serve]
 
 
 def report(ctx: Ctx, results: dict[str, Any]) -> None:
     a = ctx.args
-    print(f"\npdserve vs vLLM ({results['vllm_version']}), {a.dtype}, on {os.cpu_count()} CPUs; "
-          f"vLLM {'eager (--enforce-eager)' if a.vllm_enforce_eager else 'with torch.compile (its default)'}, "
-          f"VLLM_CPU_OMP_THREADS_BIND={a.vllm_threads_bind}; pdserve's launch defaults (--torch-threads auto)"
+    binds = ", ".join(f"{a.labels[k]}: VLLM_CPU_OMP_THREADS_BIND={b}" for k, b in a.vllm_binds.items())
+    print(f"\npdserve vs vLLM ({results['vllm_version']}), {a.dtype}, on {os.cpu_count()} CPUs "
+          f"(this process's affinity: {cpu_list_text(sorted(os.sched_getaffinity(0)))}); "
+          f"vLLM {'eager (--enforce-eager)' if a.vllm_enforce_eager else 'with torch.compile (its default)'}"
+          f"{'; ' + binds if binds else ''}; pdserve's launch defaults (--torch-threads auto)"
           f"{' with ' + a.pdserve_args if a.pdserve_args else ''}; "
           f"{'every server up at once, ' + str(a.rounds) + ' interleaved rounds' if a.rounds > 1 else 'one server at a time'}")
     for name, sr in results["sizes"].items():
@@ -529,32 +677,46 @@ def report(ctx: Ctx, results: dict[str, Any]) -> None:
         if not serve:
             continue
         n = a.num_prompts or size.num_prompts
-        ready = ", ".join(f"{MODE_LABEL[m]} {serve[m].get('ready_s', '-')} s" for m in a.modes if m in serve)
+        ready = ", ".join(f"{a.labels[m]} {serve[m].get('ready_s', '-')} s" for m in a.servers if m in serve)
         print(f"serving: vllm bench serve --backend openai --dataset-name random --ignore-eos --temperature 0, "
               f"{size.input_len} in / {size.output_len} out, {n} requests per run; ready in: {ready}")
-        print("ratio > 1 means pdserve is better: pdserve/vLLM for throughput, vLLM/pdserve for latency")
-        for line in size_table(size, serve, a.concurrency, a.modes):
+        for k in vllm_refs(a, serve):
+            if serve[k].get("thread_cpus"):
+                cpus = "; ".join(f"{proc} {', '.join(lists)}" for proc, lists in serve[k]["thread_cpus"].items())
+                print(f"{a.labels[k]}: its threads' CPU lists at start: {cpus}")
+        print(f"every round ({'drive order rotates by round' if a.rounds > 1 else 'one round'}):")
+        for line in round_lines(serve, [k for k in a.servers if k in serve], a.concurrency, a.labels):
             print(line)
-        if a.rounds > 1 and "vllm" in a.modes:
-            print(f"medians of {a.rounds} interleaved rounds; paired per-round ratios (round 1, 2, ...), "
-                  "output tok/s | TPOT p50:")
-            for m in ("colocated", "1p1d"):
-                for conc in (a.concurrency if m in a.modes else []):
-                    tok = round_ratios(serve, m, conc, "output_throughput", True)
-                    tpot = round_ratios(serve, m, conc, "p50_tpot_ms", False)
-                    print(f"  {MODE_LABEL[m]:<17} c={conc:<3} {' '.join(f'{r:.2f}x' for r in tok) or '-'} | "
-                          f"{' '.join(f'{r:.2f}x' for r in tpot) or '-'}")
+        refs = vllm_refs(a, serve) or [None]
+        print(f"{'medians of ' + str(a.rounds) + ' interleaved rounds; ' if a.rounds > 1 else ''}"
+              "ratio > 1 means pdserve is better: pdserve/vLLM for throughput, vLLM/pdserve for latency")
+        for ref in refs:
+            if ref:
+                print(f"-- against {a.labels[ref]}")
+            for line in size_table(size, serve, a.concurrency, a.modes, ref, a.labels.get(ref, "vLLM")):
+                print(line)
+        if a.rounds > 1:
+            for ref in refs:
+                if not ref:
+                    continue
+                print(f"paired per-round ratios against {a.labels[ref]} (round 1, 2, ...), output tok/s | TPOT p50:")
+                for m in PDSERVE_MODES:
+                    for conc in (a.concurrency if m in a.modes else []):
+                        tok = round_ratios(serve, m, conc, "output_throughput", True, ref)
+                        tpot = round_ratios(serve, m, conc, "p50_tpot_ms", False, ref)
+                        print(f"  {MODE_LABEL[m]:<17} c={conc:<3} {' '.join(f'{r:.2f}x' for r in tok) or '-'} | "
+                              f"{' '.join(f'{r:.2f}x' for r in tpot) or '-'}")
         loads = []
-        for m in a.modes:
+        for m in a.servers:
             runs = (serve.get(m) or {}).get("runs") or {}
             vals = [v for r in runs.values() for v in (r.get("load_before"), r.get("load_after")) if v is not None]
             if vals:
-                loads.append(f"{MODE_LABEL[m]} {min(vals):.1f}-{max(vals):.1f}")
+                loads.append(f"{a.labels[m]} {min(vals):.1f}-{max(vals):.1f}")
         if loads:
-            print(f"1-min load average around the runs (2 CPUs): {', '.join(loads)}")
-        text, _ = goal_line(size, serve, a.concurrency, a.modes)
-        if "vllm" in a.modes:
-            print(text)
+            print(f"1-min load average around the runs ({os.cpu_count()} CPUs): {', '.join(loads)}")
+        for ref in refs:
+            if ref:
+                print(goal_line(size, serve, a.concurrency, a.modes, ref, a.labels[ref])[0])
     if ctx.failures:
         print("\nFAILED:")
         for f in ctx.failures:
@@ -588,6 +750,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-threads-bind", default="auto",
                     help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default auto, vLLM's own: its engine gets one core "
                          "and its API server the other on 2 CPUs; nobind leaves placement to the OS)")
+    ap.add_argument("--vllm-configs", default="default,equal-cores",
+                    help="comma-separated vLLM server configurations, each a server of its own in the same "
+                         "run and a table of its own against the same pdserve rows: default (vLLM as a user "
+                         "starts it, VLLM_CPU_OMP_THREADS_BIND from --vllm-threads-bind), equal-cores (its "
+                         "engine bound to every CPU of this process's affinity, e.g. 0-1: the cores pdserve's "
+                         "--torch-threads auto gives a colocated worker); default both")
     ap.add_argument("--warmups", type=int, default=None, help="warm-up requests per run (default: the concurrency)")
     ap.add_argument("--seed", type=int, default=0, help="first run's dataset seed; +1 per concurrency")
     ap.add_argument("--skip-offline", action="store_true")
@@ -604,7 +772,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--offline-timeout", type=float, default=900.0, help="seconds one offline run may take")
     ap.add_argument("--work-dir", type=Path, help="where models, logs and result files go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--json", type=Path, help="write every figure here too")
+    ap.add_argument("--results-dir", default=str(RESULTS_DIR), metavar="DIR",
+                    help="write the run's raw record (every round of every server, the command, the CPU, "
+                         "versions, git commit) to DIR/vs_vllm-<UTC time>.json (default: bench/results of "
+                         "this checkout; '' writes none)")
     args = ap.parse_args(argv)
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     args.modes = [m.strip().lower() for m in args.modes.split(",") if m.strip()]
@@ -614,11 +786,80 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for m in args.modes:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES)})")
+    args.vllm_configs = [c.strip().lower() for c in args.vllm_configs.split(",") if c.strip()]
+    for c in args.vllm_configs:
+        if c not in VLLM_CONFIGS:
+            ap.error(f"--vllm-configs: unknown configuration {c!r} (choose from {', '.join(VLLM_CONFIGS)})")
+    if "vllm" in args.modes and not args.vllm_configs:
+        ap.error("--vllm-configs: at least one configuration when --modes has vllm")
+    args.servers = server_keys(args.modes, args.vllm_configs)
+    args.vllm_binds = {VLLM_CONFIGS[c]: args.vllm_threads_bind if c == "default" else equal_cores_bind()
+                       for c in args.vllm_configs} if "vllm" in args.modes else {}
+    args.labels = server_labels(args.vllm_binds)
     if not args.concurrency or not 1 <= len(args.concurrency) <= 3:
         ap.error("--concurrency takes one to three values")
     if not (args.vllm_venv / "bin" / "python").exists():
         ap.error(f"--vllm-venv: {args.vllm_venv}/bin/python does not exist (see docs/benchmarks.md)")
     return args
+
+
+def parse_lscpu(text: str) -> dict[str, Any]:
+    """The CPU facts a figure depends on, from ``lscpu``'s "Key: value" lines: model, counts,
+    caches, and the SIMD/matrix flags (the ISA the GEMM kernels of both engines pick from)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    keep = ("Architecture", "Model name", "CPU(s)", "On-line CPU(s) list", "Thread(s) per core",
+            "Core(s) per socket", "Socket(s)", "NUMA node(s)", "L2", "L3", "L2 cache", "L3 cache",
+            "Hypervisor vendor", "Virtualization type")
+    out: dict[str, Any] = {k: fields[k] for k in keep if k in fields}
+    out["isa"] = sorted(f for f in fields.get("Flags", "").split() if f.startswith(ISA_FLAG_PREFIXES))
+    return out
+
+
+def results_path(folder: Path, when: float) -> Path:
+    """``folder/vs_vllm-YYYYMMDDTHHMMSSZ.json`` for a run started at ``when`` (epoch s, UTC):
+    sortable by name, one file per run."""
+    return folder / f"vs_vllm-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(when))}.json"
+
+
+def _run_text(cmd: Sequence[str], cwd: Path | None = None) -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60, cwd=cwd).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def environment_record(vllm_venv: Path) -> dict[str, Any]:
+    """What the figures were measured on and with: CPU (lscpu), affinity, versions, git commit."""
+    import importlib.metadata as md
+    import platform
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    status = _run_text(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)
+    return {
+        "cpu": parse_lscpu(_run_text(["lscpu"])),
+        "affinity": cpu_list_text(sorted(os.sched_getaffinity(0))),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "kernel": platform.release(),
+        "versions": {"python": platform.python_version(), "torch": version("torch"), "ray": version("ray"),
+                     "vllm": vllm_version(vllm_venv),
+                     "vllm_torch": _run_text([str(vllm_venv / "bin" / "python"), "-c",
+                                              "import importlib.metadata as m; print(m.version('torch'))"])},
+        "git": {"commit": _run_text(["git", "rev-parse", "HEAD"], ROOT),
+                "branch": _run_text(["git", "rev-parse", "--abbrev-ref", "HEAD"], ROOT),
+                # tracked files changed against the commit: figures then come from code no commit holds
+                "dirty": sorted(line.split(maxsplit=1)[-1] for line in status.splitlines())},
+    }
 
 
 def vllm_version(venv: Path) -> str:
@@ -649,10 +890,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tempfile.mkdtemp(prefix="pdserve-vs-vllm-"))
     ctx = Ctx(args, work, [])
     log(f"work directory {work}")
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "vllm_version": vllm_version(args.vllm_venv),
+    started = time.time()
+    env = environment_record(args.vllm_venv)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                               "utc_start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                               # argv is this run's own (main fills it from sys.argv when None)
+                               "command": shlex.join([sys.executable, "benchmarks/vs_vllm.py", *argv]),
+                               "vllm_version": env["versions"]["vllm"], "environment": env,
                                "dtype": args.dtype, "vllm_compile": not args.vllm_enforce_eager,
                                "vllm_threads_bind": args.vllm_threads_bind, "rounds": args.rounds,
-                               "pdserve_args": args.pdserve_args,
+                               "vllm_configs": {k: {"threads_bind": b, "label": args.labels[k]}
+                                                for k, b in args.vllm_binds.items()},
+                               "servers": args.servers, "pdserve_args": args.pdserve_args,
                                "concurrency": args.concurrency, "modes": args.modes, "cpus": os.cpu_count(),
                                "sizes": {}}
     try:
@@ -678,15 +927,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             shutil.rmtree(work, ignore_errors=True)
     report(ctx, results)
-    goals = {}
+    # "goals": against vLLM's default, as issue 26 set them; "goals_by_vllm_config": against each
+    # configuration of the run (equal cores included).
+    goals, by_config = {}, {}
     for name, sr in results["sizes"].items():
-        if sr.get("serve") and "vllm" in args.modes:
-            text, met = goal_line(SIZES[name], sr["serve"], args.concurrency, args.modes)
-            goals[name] = {"text": text, "met": met}
+        for ref in vllm_refs(args, sr.get("serve") or {}):
+            text, met = goal_line(SIZES[name], sr["serve"], args.concurrency, args.modes, ref, args.labels[ref])
+            by_config.setdefault(name, {})[ref] = {"text": text, "met": met}
+            if ref == "vllm":
+                goals[name] = {"text": text, "met": met}
     results["goals"] = goals
+    results["goals_by_vllm_config"] = by_config
     results["failures"] = ctx.failures
+    results["utc_end"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    text = json.dumps(results, indent=2, default=str) + "\n"
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        args.json.write_text(text)
+    if args.results_dir:
+        path = results_path(Path(args.results_dir), started)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"\nraw record: {path}")
     return 1 if ctx.failures else 0
 
 
