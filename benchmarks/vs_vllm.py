@@ -37,6 +37,18 @@ auto``: a node's CPUs shared by its workers, OpenMP threads passive between regi
 colocated worker runs 2 threads, 1P1D's workers 1 each). What ran is printed and written to ``--json``, with the load average around each run
 (the figures are only as quiet as the machine).
 
+vLLM's default thus gives its engine fewer cores than pdserve's default gives a colocated worker.
+``--vllm-configs default,equal-cores`` (the default) starts vLLM twice in the same run: as a user
+starts it (the "vllm" rows), and with ``VLLM_CPU_OMP_THREADS_BIND`` set to every CPU of this
+process's affinity (e.g. ``0-1``: the "vllm-equal" rows, "equal cores"), the same CPUs pdserve's
+workers count. Each vLLM configuration gets its own table, paired ratios and goal line against
+the same pdserve rows; the issue-26 goal stays the one against vLLM's default. When a vLLM server
+is ready, the CPU lists its threads may run on are read from /proc and reported (evidence the
+binding took). Every round's own figures are printed before the medians.
+
+Each run writes its raw record (every round of every server, the command, lscpu's CPU facts, the
+versions, the git commit) to ``bench/results/vs_vllm-<UTC start>.json`` (``--results-dir``).
+
 The model's tokenizer: make_tiny_model's byte-level tokenizer has 259 tokens, so ids 259-4095 of
 the 4096-id model decode to no text. Both servers now send a chunk with empty text for such a
 token (pdserve did not before 2026-12-03, and the harness then timed its streams wrongly); each of
@@ -55,8 +67,8 @@ torchaudio and torchcodec). Nothing of vLLM's is imported into pdserve's venv.
 
     .venv/bin/python benchmarks/vs_vllm.py --vllm-venv /root/.cache/pdserve-peers/vllm \\
         [--sizes small,medium] [--concurrency 4,16] [--modes vllm,colocated,1p1d] [--dtype float32] \\
-        [--rounds R] [--pdserve-args FLAGS] [--skip-offline] [--skip-serve] [--json FILE] \\
-        [--work-dir DIR] [--keep]
+        [--vllm-configs default,equal-cores] [--rounds R] [--pdserve-args FLAGS] [--skip-offline] \\
+        [--skip-serve] [--json FILE] [--results-dir DIR] [--work-dir DIR] [--keep]
 """
 from __future__ import annotations
 
