@@ -649,7 +649,8 @@ def goal_line(size: Size, serve: dict[str, Any], concs: Sequence[int], modes: Se
         if m not in modes or ref not in serve:
             continue
         for conc in concs:
-            tok = ratio(metric(serve, m, conc, "output_throughput"), metric(serve, ref, conc, "output_throughput"), True)
+            tok = ratio(metric(serve, m, conc, "output_throughput"), metric(serve, ref, conc, "output_throughput"),
+                        True)
             tpot = ratio(metric(serve, m, conc, "p50_tpot_ms"), metric(serve, ref, conc, "p50_tpot_ms"), False)
             ok = tok is not None and tpot is not None and tok >= need and tpot >= 1.0
             met_all &= ok
