@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-len", type=int, default=None,
                         help="prompts of random lengths 1..this (--context default: the engine's max_input_len)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="--context: stop adding requests after this long and report the requests done")
     args = parser.parse_args(argv)
     if args.context:
         return _context(args)
@@ -143,8 +145,12 @@ def _context(args) -> int:
     start = time.monotonic()
     added = done = 0
     live = 0
-    while done < args.requests:
-        while live < args.concurrency and added < args.requests:
+    target = args.requests
+    while done < target:
+        if args.max_seconds is not None and time.monotonic() - start > args.max_seconds and target == args.requests:
+            target = added  # out of time: drain what is in flight, report what was reached
+            print(f"--max-seconds reached: stopping at {target} requests", flush=True)
+        while live < args.concurrency and added < target:
             prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, max_len))]
             core.add_request(LlmRequest(added, prompt, 1), params)
             added += 1
@@ -155,15 +161,18 @@ def _context(args) -> int:
                     raise RuntimeError(f"request {update.request_id} failed: {update.message}")
                 done += 1
                 live -= 1
-                if done % args.step == 0:
+                if done % args.step == 0 and done < target:
                     rows.append({"requests": done, "seconds": round(time.monotonic() - start, 1),
                                  "rss_mib": _rss_mib(pid)})
                     print(f"{done:>7} requests {rows[-1]['seconds']:>7.1f} s  ctx RSS {rows[-1]['rss_mib']} MiB",
                           flush=True)
+    rows.append({"requests": done, "seconds": round(time.monotonic() - start, 1), "rss_mib": _rss_mib(pid)})
+    print(f"{done:>7} requests {rows[-1]['seconds']:>7.1f} s  ctx RSS {rows[-1]['rss_mib']} MiB", flush=True)
     tracked = core.status(records=False).get("tracked")
+    # Trimmed only now: trimming between steps would hide what piles up.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed = _rss_mib(pid)
-    half = min(rows, key=lambda r: abs(r["requests"] - args.requests / 2))
+    half = min(rows, key=lambda r: abs(r["requests"] - done / 2))
     growth = rows[-1]["rss_mib"] - half["rss_mib"]
     print(f"after malloc_trim: {trimmed} MiB; tracked requests after the drain: {tracked}")
     print(f"growth over the last half ({half['requests']}..{rows[-1]['requests']} requests): {growth} MiB")
