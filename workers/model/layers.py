@@ -48,12 +48,12 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
 MIN_PACKED_ROWS = 4
 
 # oneDNN builds (JIT-compiles) one primitive per GEMM shape and keeps it in its primitive cache
-# (up to 1,024 by default, ONEDNN_PRIMITIVE_CACHE_CAPACITY), each holding about half a MiB of
-# code and buffers. A context worker sees a new row count in almost every prefill step (tiles
-# of 1..TOKEN_TILE tokens), so without a bound on the row counts its RSS grew by ~500 MiB over
-# a few hundred random-length prompts (docs/benchmarks.md section 18). Row counts up to
-# EXACT_PACKED_ROWS (decode batches) run as they are; larger ones run zero-padded up to the
-# next of PACKED_ROW_STEPS sizes per doubling, so a weight sees at most
+# (up to 1,024 by default, ONEDNN_PRIMITIVE_CACHE_CAPACITY), 0.5-0.7 MiB of RSS per shape as
+# measured (its code and buffers). A context worker sees a new row count in almost every
+# prefill step (tiles of 1..TOKEN_TILE tokens), so without a bound on the row counts its RSS
+# grew by ~500 MiB over a few hundred random-length prompts (docs/benchmarks.md section 18).
+# Row counts up to EXACT_PACKED_ROWS (decode batches) run as they are; larger ones run
+# zero-padded up to the next of PACKED_ROW_STEPS sizes per doubling, so a weight sees at most
 # EXACT_PACKED_ROWS + PACKED_ROW_STEPS * log2(max rows / EXACT_PACKED_ROWS) shapes and a GEMM
 # computes under 1 / PACKED_ROW_STEPS extra rows. The padding changes no row's result: oneDNN
 # sums each row over K in the same order whatever the row count from MIN_PACKED_ROWS up
