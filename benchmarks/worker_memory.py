@@ -75,11 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.malloc_arena_max is not None:
         L.WORKER_ENV["MALLOC_ARENA_MAX"] = args.malloc_arena_max
     engine = dict(tokens_per_block=4, max_batch_size=64, max_num_tokens=128, num_kv_blocks=1024)
+    if args.max_prompt_len:
+        # Long prompts: a prefill step as the launch's default takes, and KV for every request
+        # in flight at its longest.
+        engine.update(max_num_tokens=max(2048, args.max_prompt_len),
+                      num_kv_blocks=args.concurrency * (-(-(args.max_prompt_len + 8) // 4)) + 64)
     L.ensure_ray(None, num_cpus=4)
     cluster = L.launch(L.LaunchConfig(engine=engine, router=RouterConfig(port=0)))
     rng = random.Random(args.seed)
-    lens = (1, args.max_prompt_len) if args.max_prompt_len else (6, 16)
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(*lens))] for _ in range(1000)]
+    # Random lengths: a prompt each, so that no prefill is a prefix-cache hit.
+    lens, count = ((1, args.max_prompt_len), args.requests) if args.max_prompt_len else ((6, 16), 100)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(*lens))] for _ in range(count)]
     pids = {w: ray.get(h.__ray_call__.remote(lambda self: os.getpid())) for w, h in cluster.workers.items()}
 
     async def serve(n: int, tag: str) -> None:
