@@ -7,6 +7,16 @@ glibc holds free but has not given back, against what is live).
     .venv/bin/python benchmarks/worker_memory.py --malloc-arena-max default   # glibc's own arenas
 
 A leak keeps the trimmed figure high; memory that glibc holds free only the raw ones.
+
+``--context`` measures a context worker's own growth without the cluster: the engine core a
+context worker builds (the built-in model, the launch's default engine settings) runs prefills
+of random prompt lengths (1 to ``--max-prompt-len`` tokens, one output token each) at
+``--concurrency``, in this process, RSS every ``--step`` requests, and the growth over the last
+half of the run (a plateau: about 0). A cluster run takes ``--max-prompt-len`` too (prompts of
+random lengths instead of the 6-16-token ones).
+
+    .venv/bin/python benchmarks/worker_memory.py --context --requests 10000 --step 1000 \
+        --concurrency 48 --max-prompt-len 512
 """
 from __future__ import annotations
 
@@ -40,7 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--malloc-arena-max", default=None,
                         help="the workers' MALLOC_ARENA_MAX; 'default': glibc's own (unset)")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--context", action="store_true",
+                        help="a context worker's engine core in this process, prefill only")
+    parser.add_argument("--max-prompt-len", type=int, default=None,
+                        help="prompts of random lengths 1..this (--context default: the engine's max_input_len)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="--context: stop adding requests after this long and report the requests done")
     args = parser.parse_args(argv)
+    if args.context:
+        return _context(args)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
     import grpc
@@ -56,10 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.malloc_arena_max is not None:
         L.WORKER_ENV["MALLOC_ARENA_MAX"] = args.malloc_arena_max
     engine = dict(tokens_per_block=4, max_batch_size=64, max_num_tokens=128, num_kv_blocks=1024)
+    if args.max_prompt_len:
+        # Long prompts: a prefill step as the launch's default takes, and KV for every request
+        # in flight at its longest.
+        engine.update(max_num_tokens=max(2048, args.max_prompt_len),
+                      num_kv_blocks=args.concurrency * (-(-(args.max_prompt_len + 8) // 4)) + 64)
     L.ensure_ray(None, num_cpus=4)
     cluster = L.launch(L.LaunchConfig(engine=engine, router=RouterConfig(port=0)))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(6, 16))] for _ in range(100)]
+    rng = random.Random(args.seed)
+    # Random lengths: a prompt each, so that no prefill is a prefix-cache hit.
+    lens, count = ((1, args.max_prompt_len), args.requests) if args.max_prompt_len else ((6, 16), 100)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(*lens))] for _ in range(count)]
     pids = {w: ray.get(h.__ray_call__.remote(lambda self: os.getpid())) for w, h in cluster.workers.items()}
 
     async def serve(n: int, tag: str) -> None:
@@ -100,6 +126,67 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "worker_memory", "malloc_arena_max": L.WORKER_ENV.get("MALLOC_ARENA_MAX"),
                        "rows": rows}, f, indent=2)
+    return 0
+
+
+def _context(args) -> int:
+    """The context worker's growth in-process: see the module's docstring."""
+    import torch
+
+    from pdserve.cluster.launch import builtin_model_dir
+    from pdserve.scheduler import LlmRequest
+    from pdserve.transport.requests import UpdateKind
+    from pdserve.workers.config import EngineConfig
+    from pdserve.workers.engine.build import build_engine_core
+    from pdserve.workers.runner.sampling import SamplingParams
+
+    pid = os.getpid()
+    _, core = build_engine_core(builtin_model_dir(), EngineConfig.from_kwargs({}))
+    max_len = args.max_prompt_len or core.max_input_len
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    print(f"context engine core in-process: prompts of 1..{max_len} tokens, concurrency "
+          f"{args.concurrency}, {torch.get_num_threads()} threads; RSS at start {_rss_mib(pid)} MiB", flush=True)
+    rows = []
+    start = time.monotonic()
+    added = done = 0
+    live = 0
+    target = args.requests
+    while done < target:
+        if args.max_seconds is not None and time.monotonic() - start > args.max_seconds and target == args.requests:
+            target = added  # out of time: drain what is in flight, report what was reached
+            print(f"--max-seconds reached: stopping at {target} requests", flush=True)
+        while live < args.concurrency and added < target:
+            prompt = [rng.randrange(3, 259) for _ in range(rng.randint(1, max_len))]
+            core.add_request(LlmRequest(added, prompt, 1), params)
+            added += 1
+            live += 1
+        for update in core.step():
+            if update.kind in (UpdateKind.FINISHED, UpdateKind.FAILED):
+                if update.kind == UpdateKind.FAILED:
+                    raise RuntimeError(f"request {update.request_id} failed: {update.message}")
+                done += 1
+                live -= 1
+                if done % args.step == 0 and done < target:
+                    rows.append({"requests": done, "seconds": round(time.monotonic() - start, 1),
+                                 "rss_mib": _rss_mib(pid)})
+                    print(f"{done:>7} requests {rows[-1]['seconds']:>7.1f} s  ctx RSS {rows[-1]['rss_mib']} MiB",
+                          flush=True)
+    rows.append({"requests": done, "seconds": round(time.monotonic() - start, 1), "rss_mib": _rss_mib(pid)})
+    print(f"{done:>7} requests {rows[-1]['seconds']:>7.1f} s  ctx RSS {rows[-1]['rss_mib']} MiB", flush=True)
+    tracked = core.status(records=False).get("tracked")
+    # Trimmed only now: trimming between steps would hide what piles up.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed = _rss_mib(pid)
+    half = min(rows, key=lambda r: abs(r["requests"] - done / 2))
+    growth = rows[-1]["rss_mib"] - half["rss_mib"]
+    print(f"after malloc_trim: {trimmed} MiB; tracked requests after the drain: {tracked}")
+    print(f"growth over the last half ({half['requests']}..{rows[-1]['requests']} requests): {growth} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "worker_memory", "mode": "context", "max_prompt_len": max_len,
+                       "concurrency": args.concurrency, "rows": rows, "trimmed_mib": trimmed,
+                       "last_half_growth_mib": growth}, f, indent=2)
     return 0
 
 

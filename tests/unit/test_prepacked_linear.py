@@ -54,6 +54,39 @@ def test_few_rows_run_padded(monkeypatch):
     weight = torch.randn(256, 1408)
     packed = layers.prepack_weight(weight)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy(), raising=False)
-    for rows in (1, 3, 4, 9):
+    for rows in (1, 3, 4, 9, 33, 100):
         layers.linear(torch.randn(rows, 1408), weight, None, packed)
-    assert seen == [(layers.MIN_PACKED_ROWS, 1408)] * 2 + [(4, 1408), (9, 1408)]
+    assert seen == [(layers.MIN_PACKED_ROWS, 1408)] * 2 + [(4, 1408), (9, 1408), (36, 1408), (104, 1408)]
+
+
+def test_row_counts_run_as_a_bounded_set_of_shapes():
+    """oneDNN keeps a primitive per GEMM shape: every row count a prefill tile can have maps to
+    one of few shapes (the context worker's RSS grew with each new one), each at least the
+    rows it carries and under 1 / PACKED_ROW_STEPS more above EXACT_PACKED_ROWS."""
+    shapes = set()
+    for rows in range(1, 8193):
+        run = layers.packed_rows(rows)
+        assert run >= max(rows, layers.MIN_PACKED_ROWS)
+        if rows <= layers.EXACT_PACKED_ROWS:
+            assert run == max(rows, layers.MIN_PACKED_ROWS)
+        else:
+            assert run - rows < rows / layers.PACKED_ROW_STEPS
+        assert layers.packed_rows(run) == run  # a bucket runs as itself
+        shapes.add(run)
+    # Exact sizes up to 32, then 8 per doubling: 64 .. 8192 is 8 doublings.
+    assert len(shapes) == (layers.EXACT_PACKED_ROWS - layers.MIN_PACKED_ROWS + 1) + 8 * layers.PACKED_ROW_STEPS
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_to_a_bucket_changes_no_row(dtype):
+    """Prefill tiles run padded to their bucket: each row equals the same row in a wider GEMM."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 512, 1408
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    packed = layers.prepack_weight(weight)
+    x = torch.randn(600, k, generator=g).to(dtype)
+    wide = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    for rows in (33, 65, 100, 257, 511, 600):
+        out = layers.linear(x[:rows], weight, None, packed)
+        assert out.shape == (rows, n) and out.is_contiguous()
+        assert torch.equal(out, wide[:rows]), f"{rows} rows"

@@ -47,6 +47,31 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
 # how many rows share the GEMM (tests/unit/test_prepacked_linear.py).
 MIN_PACKED_ROWS = 4
 
+# oneDNN builds (JIT-compiles) one primitive per GEMM shape and keeps it in its primitive cache
+# (up to 1,024 by default, ONEDNN_PRIMITIVE_CACHE_CAPACITY), 0.5-0.7 MiB of RSS per shape as
+# measured (its code and buffers). A context worker sees a new row count in almost every
+# prefill step (tiles of 1..TOKEN_TILE tokens), so without a bound on the row counts its RSS
+# grew by ~500 MiB over a few hundred random-length prompts (docs/benchmarks.md section 18).
+# Row counts up to EXACT_PACKED_ROWS (decode batches) run as they are; larger ones run
+# zero-padded up to the next of PACKED_ROW_STEPS sizes per doubling, so a weight sees at most
+# EXACT_PACKED_ROWS + PACKED_ROW_STEPS * log2(max rows / EXACT_PACKED_ROWS) shapes and a GEMM
+# computes under 1 / PACKED_ROW_STEPS extra rows. The padding changes no row's result: oneDNN
+# sums each row over K in the same order whatever the row count from MIN_PACKED_ROWS up
+# (tests/unit/test_prepacked_linear.py).
+EXACT_PACKED_ROWS = 32
+PACKED_ROW_STEPS = 8
+
+
+def packed_rows(rows: int) -> int:
+    """The row count an input of ``rows`` rows runs as on a prepacked weight."""
+    if rows < MIN_PACKED_ROWS:
+        return MIN_PACKED_ROWS
+    if rows <= EXACT_PACKED_ROWS:
+        return rows
+    # PACKED_ROW_STEPS (a power of two) multiples of ``step`` per doubling of the row count.
+    step = 1 << max(rows.bit_length() - PACKED_ROW_STEPS.bit_length(), 0)
+    return -(-rows // step) * step
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
@@ -54,9 +79,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if packed is None:
         return F.linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else -1
-    if 0 < rows < MIN_PACKED_ROWS:
-        padded = x.new_zeros((MIN_PACKED_ROWS, x.shape[1]))
+    run = packed_rows(rows) if rows > 0 else rows
+    if run != rows:
+        padded = x.new_empty((run, x.shape[1]))
         padded[:rows].copy_(x)
+        padded[rows:].zero_()
         return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
