@@ -38,8 +38,7 @@ def _windowed_model(tmp_path):
 def test_a_windowed_worker_takes_its_max_seq_len_beyond_its_pools_tokens(tmp_path):
     config = EngineConfig.from_kwargs(ENGINE)
     _, core = build_engine_core(str(_windowed_model(tmp_path)), config)
-    host = WorkerHost(core, worker_id="win-0", role="both", config=config,
-                      channel_host="127.0.0.1")
+    host = WorkerHost(core, worker_id="win-0", role="both", config=config)
     try:
         info = host.info(VOCAB)
         pool_tokens = info.num_kv_blocks * info.tokens_per_block
