@@ -1,5 +1,5 @@
 """The decision logic stays pure: scheduler/, the pure transport modules (protocol, sessions,
-requests) and cluster/policies.py and validation.py import no torch, ray or grpc
+requests, tp_map) and cluster/policies.py and validation.py import no torch, ray or grpc
 (docs/design.md, "The purity rule"), so they are testable in milliseconds."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ FORBIDDEN = {"torch", "ray", "grpc", "numpy"}
 PURE_PATHS = [ROOT / "scheduler", ROOT / "transport" / "protocol.py",
               ROOT / "transport" / "sessions.py", ROOT / "transport" / "session_sides.py",
               ROOT / "transport" / "requests", ROOT / "transport" / "kv_link.py",
+              ROOT / "transport" / "tp_map.py",
               ROOT / "cluster" / "policies.py", ROOT / "cluster" / "validation.py",
               ROOT / "cluster" / "prefix_index.py",
               ROOT / "cluster" / "front" / "openai" / "api.py", ROOT / "cluster" / "text_stream.py",
@@ -62,7 +63,7 @@ def test_pure_module_imports_nothing_heavy(path: Path):
 def test_importing_the_scheduler_loads_no_heavy_module():
     code = (
         "import sys, pdserve.scheduler, pdserve.scheduler.sim_worker\n"
-        "import pdserve.transport.requests, pdserve.cluster.front.openai.api, pdserve.cluster.text_stream\n"
+        "import pdserve.transport.requests, pdserve.transport.tp_map, pdserve.cluster.front.openai.api, pdserve.cluster.text_stream\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch','ray','grpc','numpy'})\n"
         "print(','.join(heavy))\n"
     )
