@@ -78,11 +78,14 @@ class KVPool:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        num_kv_heads: int | None = None,
     ) -> KVPool:
         """A pool shaped for a model config's KV cache (``num_hidden_layers``, ``kv_planes``,
-        ``cache_heads``, ``cache_head_dim``: ``pdserve.workers.model.ModelConfig``)."""
+        ``cache_heads``, ``cache_head_dim``: ``pdserve.workers.model.ModelConfig``);
+        ``num_kv_heads``: a tensor-parallel rank's share of the cache heads instead."""
         return cls(
-            config.num_hidden_layers, num_blocks, tokens_per_block, config.cache_heads,
+            config.num_hidden_layers, num_blocks, tokens_per_block,
+            config.cache_heads if num_kv_heads is None else num_kv_heads,
             config.cache_head_dim, dtype=dtype, device=device, num_planes=config.kv_planes,
         )
 

@@ -44,6 +44,12 @@ class EngineConfig:
     # straggle (docs/benchmarks.md section 20). `pdserve launch --torch-threads auto` sets "auto".
     small_step_threads: int | str | None = None
     small_step_tokens: int = 64
+    # Worker groups (vLLM's names): the ranks one model is split over (one process per rank,
+    # workers/runner/group.py), and MoE experts split whole over them instead of by width.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # The deadline of every collective and of a rank's wait for its group (seconds).
+    group_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity_scheduler_policy, str):
@@ -59,7 +65,7 @@ class EngineConfig:
                 else _enum(ContextChunkingPolicy, value, "context_chunking_policy"),
             )
         for name in ("max_batch_size", "max_num_tokens", "tokens_per_block", "chunk_unit_size",
-                     "small_step_tokens"):
+                     "small_step_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -84,6 +90,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}")
+        if not isinstance(self.group_timeout_s, (int, float)) or not self.group_timeout_s > 0:
+            raise ValueError(f"group_timeout_s must be a positive number of seconds, got {self.group_timeout_s!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.dtype is not None:  # vLLM's spellings too; kept canonical for the workers

@@ -2,12 +2,15 @@
 model runner, the engine core and (for a disaggregated worker) its KV transceiver together."""
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from pdserve.transport.kv_pool import KVPool
 
@@ -16,6 +19,9 @@ from pdserve.workers.engine.core import EngineCore
 from pdserve.workers.loading.loader import LoadedModel, load_model, resolve_model_dir
 from pdserve.workers.loading.memory import (plan_memory, plan_model_dir, scratch_blocks,
                                             sliding_window_of)
+from pdserve.workers.model.parallel import rank_cache_heads
+from pdserve.workers.runner.group import (GroupAddress, GroupModelRunner, LocalFollowers, PlanPublisher,
+                                          new_secret, node_host, open_process_group)
 from pdserve.workers.runner.model_runner import ModelRunner
 from pdserve.workers.engine.transceiver import KVTransceiver
 
@@ -32,11 +38,22 @@ def build_engine_core(
     config: EngineConfig,
     *,
     transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
+    start_followers: StartFollowers | None = None,
 ) -> tuple[LoadedModel, EngineCore]:
     """Load the model (a directory or a Hub repo id), size and allocate the KV pool and build
     the engine core (with a KV transceiver for disaggregated workers). Before any weight is read,
-    the weights and the pool are checked to fit the device's memory (``check_memory``)."""
+    the weights and the pool are checked to fit the device's memory (``check_memory``).
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 of a worker group: it starts the
+    other N - 1 ranks (``start_followers``; default: local child processes), and every rank
+    loads its own shard (runner/group.py)."""
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config.tensor_parallel_size > 1:
+        if isinstance(model, LoadedModel):
+            raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass the model "
+                             "directory or repo id, not a loaded model")
+        loaded, runner = _group_runner(resolve_model_dir(model), config, device, start_followers)
+        return loaded, _core(loaded, runner, config, transceiver_factory)
     if isinstance(model, LoadedModel):
         loaded = model
         plan = plan_memory(config, loaded.config, loaded.model.dtype, device,
@@ -45,6 +62,22 @@ def build_engine_core(
         model_dir = resolve_model_dir(model)
         plan = plan_model_dir(model_dir, config, device)  # raises before a weight is read
         loaded = load_model(model_dir, dtype=plan.dtype, device=device)
+    max_seq_len = _max_seq_len(loaded, config)
+    B = config.tokens_per_block
+    window = sliding_window_of(loaded.config)
+    # With a window the KV manager keeps the pool's last block as its scratch block.
+    kv_pool = KVPool.for_model(loaded.config, plan.pool_blocks, B,
+                               dtype=loaded.model.dtype, device=device)
+    if kv_pool.device.type == "cuda" and not config.enforce_eager:
+        # Decode steps as CUDA graphs, one per (batch, table width) bucket, captured on first use.
+        loaded.model.enable_decode_graphs(kv_pool, max_batch=min(config.max_batch_size, MAX_GRAPH_BATCH),
+                                          max_blocks=-(-max_seq_len // B) + (1 if window is not None else 0))
+    runner = ModelRunner(loaded.model, kv_pool, small_step_threads=config.small_step_threads,
+                         small_step_tokens=config.small_step_tokens)
+    return loaded, _core(loaded, runner, config, transceiver_factory)
+
+
+def _max_seq_len(loaded: LoadedModel, config: EngineConfig) -> int:
     mcfg = loaded.config
     max_seq_len = config.max_seq_len or mcfg.max_position_embeddings
     if max_seq_len > mcfg.max_position_embeddings:
@@ -53,7 +86,12 @@ def build_engine_core(
             f"max_seq_len ({max_seq_len}) is greater than the model's max_position_embeddings "
             f"({mcfg.max_position_embeddings}, config.json)"
         )
-    B = config.tokens_per_block
+    return max_seq_len
+
+
+def _core(loaded: LoadedModel, runner: ModelRunner, config: EngineConfig,
+          transceiver_factory: Callable[[KVPool], KVTransceiver] | None) -> EngineCore:
+    mcfg = loaded.config
     window = sliding_window_of(mcfg)
     if window is not None:
         log.info("sliding window of %d tokens on every layer: KV blocks leave the pool as the "
@@ -62,26 +100,60 @@ def build_engine_core(
         log.info("layers differ in their attention windows (windowed and full layers): every "
                  "KV block is kept, as one pool holds the longest history; blocks are freed as "
                  "the window passes only when every layer shares one window")
-    # With a window the KV manager keeps the pool's last block as its scratch block.
-    kv_pool = KVPool.for_model(mcfg, plan.pool_blocks, B,
-                               dtype=loaded.model.dtype, device=device)
-    if kv_pool.device.type == "cuda" and not config.enforce_eager:
-        # Decode steps as CUDA graphs, one per (batch, table width) bucket, captured on first use.
-        loaded.model.enable_decode_graphs(kv_pool, max_batch=min(config.max_batch_size, MAX_GRAPH_BATCH),
-                                          max_blocks=-(-max_seq_len // B) + (1 if window is not None else 0))
-    runner = ModelRunner(loaded.model, kv_pool, small_step_threads=config.small_step_threads,
-                         small_step_tokens=config.small_step_tokens)
-    core = EngineCore(
+    return EngineCore(
         runner,
         config,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=mcfg.vocab_size,
-        max_seq_len=max_seq_len,
-        transceiver=transceiver_factory(kv_pool) if transceiver_factory is not None else None,
+        max_seq_len=_max_seq_len(loaded, config),
+        transceiver=transceiver_factory(runner.kv_pool) if transceiver_factory is not None else None,
         grammar=_LazyGrammar(loaded, mcfg.vocab_size) if loaded.tokenizer is not None else None,
         attention_window=window,
     )
-    return loaded, core
+
+
+# Starts a group's follower ranks: (model_dir, config, address, pool_blocks, dtype, device) ->
+# a handle with close(); LocalFollowers by default, Ray actors in a cluster worker.
+StartFollowers = Callable[..., Any]
+
+
+def _group_runner(model_dir: Path, config: EngineConfig, device: str,
+                  start_followers: StartFollowers | None) -> tuple[LoadedModel, GroupModelRunner]:
+    """Rank 0 of a worker group: plan rank 0's memory (every rank's is alike), open the
+    rendezvous store and the plan channel, start the followers, join the process group, load
+    rank 0's shard and wait for every follower's plan stream. Whatever was started is stopped
+    again when any of it fails."""
+    size = config.tensor_parallel_size
+    plan = plan_model_dir(model_dir, config, device)  # raises before a weight is read
+    host, timeout = node_host(), datetime.timedelta(seconds=config.group_timeout_s)
+    store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+    publisher = PlanPublisher(host, size, config.group_timeout_s, new_secret())
+    address = GroupAddress(host, store.port, publisher.port, publisher.secret, size, config.group_timeout_s)
+    threads = max(1, (os.cpu_count() or 1) // size) if torch.device(device).type == "cpu" else None
+    followers = None
+    try:
+        start = start_followers or (lambda *a, **kw: LocalFollowers(*a, **kw))
+        followers = start(str(model_dir), config, address, plan.pool_blocks, plan.dtype, device,
+                          threads=threads)
+        if threads is not None:
+            torch.set_num_threads(threads)  # one rank's share of the cores, as each follower's
+        tp = open_process_group(address, 0, device, store, expert_parallel=config.enable_expert_parallel)
+        loaded = load_model(model_dir, dtype=plan.dtype, device=device, tp=tp)
+        publisher.accept(config.group_timeout_s)
+        pool = KVPool.for_model(loaded.config, plan.pool_blocks, config.tokens_per_block,
+                                dtype=loaded.model.dtype, device=device,
+                                num_kv_heads=rank_cache_heads(loaded.config, tp))
+        runner = GroupModelRunner(loaded.model, pool, publisher, followers=followers,
+                                  small_step_threads=config.small_step_threads,
+                                  small_step_tokens=config.small_step_tokens)
+    except BaseException:
+        publisher.close()
+        if followers is not None:
+            followers.close(timeout_s=2.0)
+        raise
+    runner.store = store  # the rendezvous store lives as long as the group
+    log.info("worker group of %d ranks: %s", size, tp)
+    return loaded, runner
 
 
 def build_worker_core(worker_id: str, role: str, model: str | Path | LoadedModel,

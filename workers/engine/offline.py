@@ -69,6 +69,10 @@ class LLMEngine:
         self._outputs: dict[int, RequestOutput] = {}
         self._candidates: dict[int, tuple[list[CompletionOutput], SamplingParams]] = {}
 
+    def close(self) -> None:
+        """Stop what the engine started (a worker group's other ranks); idempotent."""
+        self.core.runner.close()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -166,6 +170,17 @@ class LLM:
 
     def __init__(self, model: str | Path | LoadedModel, **engine_config) -> None:
         self.engine = LLMEngine(model, **engine_config)
+
+    def close(self) -> None:
+        """Stop the worker group's other ranks (``tensor_parallel_size`` > 1); they also stop
+        by themselves when this process exits."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def stats(self):

@@ -23,6 +23,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from pdserve.workers.loading.hub import ModelResolveError, check_supported_options, resolve_model
+from pdserve.workers.model.parallel import TensorParallel
+from pdserve.workers.model.weights import LazyTensor
 from pdserve.workers.model import DecoderLM, ModelConfig, ModelConfigError, WeightLoadError, build_model, parse_config
 
 SINGLE_WEIGHTS = "model.safetensors"
@@ -155,14 +157,15 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor as stored, one file open at a time (safetensors maps the file; a tensor is
-    read when asked for, and the caller copies it into its parameter before the next)."""
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, LazyTensor]]:
+    """Each tensor as stored, one file open at a time, as a ``LazyTensor``: nothing is read
+    until the model asks for its rank's region of it, which the caller copies into its
+    parameter before the next (safetensors maps the file)."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    yield name, LazyTensor.of(sf.get_slice(name))
         except Exception as e:  # safetensors raises its own SafetensorError on corrupt files
             raise ModelLoadError(f"cannot read {f}: {e}") from e
 
@@ -262,11 +265,13 @@ def load_model(
     revision: str | None = None,
     tokenizer: str | Path | None = None,
     trust_remote_code: bool = False,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Build the model from ``model_dir`` (a local directory or a Hub repo id ``ORG/NAME``) on
     ``device`` with weights at ``dtype`` (default "auto": the checkpoint's own bfloat16 or
     float16, else fp32 on CPU and bf16 on CUDA), plus its tokenizer and EOS ids. ``revision``,
-    a separate ``tokenizer`` and ``trust_remote_code`` are refused (ValueError), not ignored."""
+    a separate ``tokenizer`` and ``trust_remote_code`` are refused (ValueError), not ignored.
+    ``tp``: build and read only this tensor-parallel rank's shard of every weight."""
     check_supported_options(model_dir, revision=revision, tokenizer=tokenizer,
                             trust_remote_code=trust_remote_code)
     model_dir = resolve_model_dir(model_dir)
@@ -277,7 +282,7 @@ def load_model(
     tokenizer_ = load_tokenizer(model_dir)
     eos = load_eos_token_ids(model_dir, config)
     target = resolve_dtype(dtype, device, stored_dtype(model_dir))
-    model = build_model(config, dtype=target, device=device)
+    model = build_model(config, dtype=target, device=device, **({} if tp is None else {"tp": tp}))
     try:
         model.load_weights(_iter_tensors(files))
     except WeightLoadError as e:

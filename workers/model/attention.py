@@ -22,7 +22,8 @@ from torch import nn
 from . import cpu_kernels, flex_attention, gpu_kernels
 from .batch import AttentionMetadata
 from .config import ModelConfig
-from .layers import PrepackedLinears, RMSNorm, _empty, fused_cpu, linear, rotate_in_place
+from .layers import PrepackedLinears, RMSNorm, _empty, fused_cpu, linear, rank0_only, rotate_in_place
+from .parallel import SINGLE, Shard, TensorParallel
 
 
 class Workspace:
@@ -55,26 +56,35 @@ class PagedAttention(PrepackedLinears, nn.Module):
     tokens. Every attention kind (this GQA one, MLA) offers the same four methods.
 
     Options from the config: biases, per-head q/k RMSNorm before RoPE (``qk_norm``; Gemma's
-    ``unit_offset`` scale), the softmax scale, the layer's sliding window."""
+    ``unit_offset`` scale), the softmax scale, the layer's sliding window.
+
+    Under tensor parallelism (``tp``, parallel.py) the module holds its rank's query heads and
+    KV heads only; ``output`` sums the ranks' partial projections (one all-reduce)."""
 
     LINEARS = ("qkv", "o")
 
     def __init__(
         self, config: ModelConfig, window: int | None, *, dtype: torch.dtype, device: torch.device | str,
-        norm_unit_offset: bool = False,
+        norm_unit_offset: bool = False, tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.q_heads = tp.split(config.num_attention_heads, "attention heads")  # global [start, stop)
+        self.kv_range = tp.kv_heads(config.num_key_value_heads)
+        self.num_heads = self.q_heads[1] - self.q_heads[0]  # this rank's
+        self.num_kv_heads = self.kv_range[1] - self.kv_range[0]
         self.head_dim = config.head_dim
         self.window = window
         self.scale = config.attn_scale  # None: SDPA's default, head_dim ** -0.5
-        qkv_rows = config.q_size + 2 * config.kv_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_rows = q_size + 2 * kv_size
         # Fused projection; rows are q, then k, then v.
         self.qkv_weight = _empty((qkv_rows, config.hidden_size), dtype, device)
         self.qkv_bias = _empty((qkv_rows,), dtype, device) if config.qkv_bias else None
-        self.o_weight = _empty((config.hidden_size, config.q_size), dtype, device)
+        self.o_weight = _empty((config.hidden_size, q_size), dtype, device)
+        # Added after the all-reduce's sum, so only rank 0 loads it (the others' stays zero).
         self.o_bias = _empty((config.hidden_size,), dtype, device) if config.o_bias else None
+        self._num_kv_heads_total = config.num_key_value_heads
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             kw = dict(dtype=dtype, device=device, unit_offset=norm_unit_offset)
@@ -92,19 +102,25 @@ class PagedAttention(PrepackedLinears, nn.Module):
         return qkv, att
 
     def output(self, att: torch.Tensor) -> torch.Tensor:  # [t, h * d] -> [t, H]
-        return linear(att, self.o_weight, self.o_bias, self.packed("o"))
+        return self.tp.all_reduce(linear(att, self.o_weight, self.o_bias, self.packed("o")))
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        """HF names (``prefix`` + q_proj/k_proj/v_proj/o_proj/q_norm/k_norm) -> what they fill."""
-        qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        t: dict[str, torch.Tensor] = {}
-        for name, lo, hi in (("q", 0, qs), ("k", qs, qs + kvs), ("v", qs + kvs, qs + 2 * kvs)):
-            t[prefix + f"{name}_proj.weight"] = self.qkv_weight[lo:hi]
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
+        """HF names (``prefix`` + q_proj/k_proj/v_proj/o_proj/q_norm/k_norm) -> what they fill
+        (this rank's heads of each: a Shard under tensor parallelism)."""
+        d, tp = self.head_dim, self.tp
+        qs, kvs = self.num_heads * d, self.num_kv_heads * d
+        full_q, full_kv = self.q_heads, self.kv_range
+        nq = tp.size * self.num_heads * d  # the checkpoint's q rows
+        nkv = self._num_kv_heads_total * d
+        t: dict[str, torch.Tensor | Shard] = {}
+        for name, lo, hi, (a, b), n in (("q", 0, qs, full_q, nq), ("k", qs, qs + kvs, full_kv, nkv),
+                                        ("v", qs + kvs, qs + 2 * kvs, full_kv, nkv)):
+            t[prefix + f"{name}_proj.weight"] = tp.shard(self.qkv_weight[lo:hi], 0, a * d, b * d, n)
             if self.qkv_bias is not None:
-                t[prefix + f"{name}_proj.bias"] = self.qkv_bias[lo:hi]
-        t[prefix + "o_proj.weight"] = self.o_weight
+                t[prefix + f"{name}_proj.bias"] = tp.shard(self.qkv_bias[lo:hi], 0, a * d, b * d, n)
+        t[prefix + "o_proj.weight"] = tp.shard(self.o_weight, 1, full_q[0] * d, full_q[1] * d, nq)
         if self.o_bias is not None:
-            t[prefix + "o_proj.bias"] = self.o_bias
+            t[prefix + "o_proj.bias"] = rank0_only(self.o_bias, tp)
         if self.q_norm is not None:
             t[prefix + "q_norm.weight"] = self.q_norm.weight
             t[prefix + "k_norm.weight"] = self.k_norm.weight

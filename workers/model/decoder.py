@@ -25,6 +25,8 @@ from .cuda_graphs import DecodeGraphs
 from .config import ModelConfig
 from .layers import (GatedMLP, PrepackedLinears, RMSNorm, RotaryEmbedding, _empty, can_prepack, linear,
                      prepack_weight)
+from .parallel import SINGLE, Shard, TensorParallel, rank_cache_heads
+from .weights import WeightSource, read_shard
 
 if TYPE_CHECKING:
     from pdserve.transport.kv_pool import KVPool
@@ -113,14 +115,17 @@ class DecoderLM(nn.Module):
     mlp_prefix: ClassVar[str] = "mlp."
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.tp = tp  # set before the hooks run: they size their shards by it
         H = config.hidden_size
-        self.embed_weight = _empty((config.vocab_size, H), dtype, device)  # [V, H]
+        V = tp.vocab_rows(config.vocab_size)  # this rank's vocabulary slice (all of it at size 1)
+        self.embed_weight = _empty((V, H), dtype, device)  # [V, H]
         layers = []
         for i in range(config.num_hidden_layers):
             layer = DecoderLayer(self.make_attention(i), self.make_mlp(i), self.make_norm,
@@ -130,7 +135,7 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = self.make_norm()
         self.lm_head_weight = (
-            self.embed_weight if config.tie_word_embeddings else _empty((config.vocab_size, H), dtype, device)
+            self.embed_weight if config.tie_word_embeddings else _empty((V, H), dtype, device)
         )
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(rope, rope.rotary_dim or config.head_dim, device=device) for rope in config.ropes
@@ -196,15 +201,25 @@ class DecoderLM(nn.Module):
 
     def make_attention(self, layer: int) -> nn.Module:
         return PagedAttention(self.config, self.config.layer_windows[layer], dtype=self.dtype,
-                              device=self.device, norm_unit_offset=self.norm_unit_offset)
+                              device=self.device, norm_unit_offset=self.norm_unit_offset, tp=self.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype=self.dtype,
-                        device=self.device, act=cfg.hidden_act)
+                        device=self.device, act=cfg.hidden_act, tp=self.tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return F.embedding(input_ids, self.embed_weight)
+        tp = self.tp
+        if tp.size == 1:
+            return F.embedding(input_ids, self.embed_weight)
+        # Vocab-parallel: each rank looks up the ids in its slice (zeros elsewhere); the sum
+        # over the ranks is the full lookup, exactly (one rank contributes each row).
+        start, stop = tp.vocab(self.config.vocab_size)
+        mine = (input_ids >= start) & (input_ids < stop)
+        local = torch.where(mine, input_ids - start, 0)
+        h = F.embedding(local, self.embed_weight)
+        h.mul_(mine[:, None].to(h.dtype))
+        return tp.all_reduce(h)
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint (name, tensor) pairs -> the names ``weight_targets`` uses (an architecture
@@ -232,7 +247,7 @@ class DecoderLM(nn.Module):
         if kv_pool.dtype != self.dtype or kv_pool.num_layers != cfg.num_hidden_layers:
             raise ValueError(f"{kv_pool!r} does not match the model ({cfg.num_hidden_layers} layers, {self.dtype})")
         if (kv_pool.num_planes, kv_pool.num_kv_heads, kv_pool.head_dim) != (
-            cfg.kv_planes, cfg.cache_heads, cfg.cache_head_dim
+            cfg.kv_planes, rank_cache_heads(cfg, self.tp), cfg.cache_head_dim
         ):
             raise ValueError(f"{kv_pool!r} does not match the model's KV cache shape")
         graphs = self.decode_graphs
@@ -291,7 +306,8 @@ class DecoderLM(nn.Module):
                 on_layer(i + 1)
         if not all_logits:
             h = h.index_select(0, meta.last_token_index)  # [num_seqs, H]
-        logits = linear(self.norm(h), self.lm_head_weight, None, self._lm_head_packed).float()  # [rows, V]
+        logits = linear(self.norm(h), self.lm_head_weight, None, self._lm_head_packed)  # [rows, V (/ tp)]
+        logits = self.tp.gather_vocab(logits, cfg.vocab_size).float()
         cap = cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -299,22 +315,26 @@ class DecoderLM(nn.Module):
 
     # ----------------------------------------------------------------- weights
 
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        """HF checkpoint tensor name -> the (slice of a) parameter it fills."""
-        t: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_weight,
+    def weight_targets(self) -> dict[str, torch.Tensor | Shard]:
+        """HF checkpoint tensor name -> the (slice of a) parameter it fills, or the ``Shard`` of
+        the checkpoint tensor this rank holds (tensor parallelism, parallel.py)."""
+        V = self.config.vocab_size
+        start, stop = self.tp.vocab(V)
+        t: dict[str, torch.Tensor | Shard] = {
+            "model.embed_tokens.weight": self.tp.shard(self.embed_weight[: stop - start], 0, start, stop, V),
             "model.norm.weight": self.norm.weight,
         }
         if not self.config.tie_word_embeddings:
-            t["lm_head.weight"] = self.lm_head_weight
+            t["lm_head.weight"] = self.tp.shard(self.lm_head_weight[: stop - start], 0, start, stop, V)
         for i, layer in enumerate(self.layers):
             t.update(layer.weight_targets(f"model.layers.{i}."))
         return t
 
     @torch.no_grad()
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill every parameter from (HF name, tensor) pairs, casting to the model dtype.
-        Raises WeightLoadError naming the first missing, unexpected or misshapen tensor."""
+    def load_weights(self, tensors: Iterable[tuple[str, WeightSource]]) -> None:
+        """Fill every parameter from (HF name, tensor) pairs, casting to the model dtype; a
+        ``LazyTensor`` source is read only where this rank's ``Shard`` of it lies. Raises
+        WeightLoadError naming the first missing, unexpected or misshapen tensor."""
         targets = self.weight_targets()
         missing = set(targets)
         for name, tensor in self.convert_weights(tensors):
@@ -325,15 +345,26 @@ class DecoderLM(nn.Module):
             target = targets.get(name)
             if target is None:
                 raise WeightLoadError(f"unexpected tensor {name!r} in checkpoint")
-            if tuple(tensor.shape) != tuple(target.shape):
+            expected = target.checkpoint_shape() if isinstance(target, Shard) else tuple(target.shape)
+            if tuple(tensor.shape) != expected:
                 raise WeightLoadError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
                 )
-            target.copy_(tensor)
+            if isinstance(target, Shard):
+                if target.target.shape[target.dim] != target.stop - target.start:
+                    target.target.zero_()  # rows no checkpoint slice fills (padding, rank 0's bias)
+                part = read_shard(tensor, target)
+                target.target.narrow(target.dim, 0, part.shape[target.dim]).copy_(part)
+            else:
+                target.copy_(tensor.load() if not isinstance(tensor, torch.Tensor) else tensor)
             missing.discard(name)
         if missing:
             raise WeightLoadError(f"checkpoint lacks tensor {sorted(missing)[0]!r} ({len(missing)} missing)")
+        self.after_load()
         self.prepack_linears()
+
+    def after_load(self) -> None:
+        """A family's fix-ups once every tensor is in place (DeepSeek's RoPE row order)."""
 
     def prepack_linears(self) -> None:
         """Give the CPU GEMM library its own layout of every dense projection (attention,

@@ -41,6 +41,7 @@ from .config import ModelConfig, ModelConfigError, parse_common
 from .decoder import DecoderLM
 from .layers import GatedMLP, RMSNorm, _empty, rotate_in_place
 from .moe import SparseMoE, split_fused_experts
+from .weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +443,7 @@ class DeepseekV3ForCausalLM(DecoderLM):
                              "prediction)", layer, cfg.num_hidden_layers)
                 continue
             if cfg.rope_interleave and tuple(tensor.shape) == shapes.get(name):
-                tensor = self._deinterleave_rope(name, tensor)  # (a misshapen one load_weights reports)
+                tensor = self._deinterleave_rope(name, materialize(tensor))  # (a misshapen one load_weights reports)
             yield name, tensor
 
     def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

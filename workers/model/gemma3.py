@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 
 from .config import (
     ModelConfig,
@@ -70,7 +69,7 @@ class Gemma3ForCausalLM(DecoderLM):
         self.embed_scale = scale.to(self.dtype).item()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return F.embedding(input_ids, self.embed_weight).mul_(self.embed_scale)
+        return super().embed(input_ids).mul_(self.embed_scale)
 
 
 def parse_gemma3(cfg: Mapping[str, Any]) -> ModelConfig:

@@ -41,6 +41,7 @@ from .config import ModelConfig, ModelConfigError, layer_windows_from_types, par
 from .decoder import DecoderLM, WeightLoadError
 from .layers import RMSNorm, _empty
 from .moe import SparseMoE
+from .weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ class GptOssForCausalLM(DecoderLM):
             base, part = m["base"], m["part"]
             other = pending.pop(base, None)
             if other is None:
-                pending[base] = (part, tensor)
+                pending[base] = (part, materialize(tensor))  # read now: its file may close first
                 continue
             if other[0] == part:
                 raise WeightLoadError(f"tensor {name!r} appears twice in checkpoint")
@@ -374,6 +375,8 @@ class GptOssForCausalLM(DecoderLM):
                 log.info("gpt-oss: dequantising MXFP4 expert weights to %s at load time (no MXFP4 kernel; "
                          "the experts take about 4x their stored size in bf16)", self.dtype)
             blocks, scales = (tensor, other[1]) if part == "blocks" else (other[1], tensor)
+            # Dequantised whole: an MXFP4 block of 32 values spans the split dimension.
+            blocks, scales = materialize(blocks), materialize(scales)
             # [E, out, in] as dequantised; the checkpoint name's layout is [E, in, out].
             yield base, dequantize_mxfp4(blocks, scales, self.dtype).transpose(1, 2)
         if pending:

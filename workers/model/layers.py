@@ -12,6 +12,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .config import RopeConfig
+from .parallel import SINGLE, Shard, TensorParallel
 
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -235,18 +236,26 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> No
 
 class GatedMLP(PrepackedLinears, nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused into one matmul. act is
-    SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
+    SiLU (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma). Under tensor parallelism a rank
+    holds a column slice of gate and up and the matching rows of down; the forward ends in one
+    all-reduce of the partial sums (``reduce=False`` leaves it to the caller, e.g. a MoE block
+    that sums its shared expert with its routed ones first)."""
 
     LINEARS = ("gate_up", "down")
 
     def __init__(
         self, hidden: int, intermediate: int, bias: bool, *, dtype: torch.dtype, device: torch.device | str,
-        act: str = "silu",
+        act: str = "silu", tp: TensorParallel = SINGLE, reduce: bool = True,
     ) -> None:
         super().__init__()
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported activation {act!r}")
         self.act = act
+        self.tp = tp
+        self.reduce = reduce
+        self.full_intermediate = intermediate
+        self.columns = tp.split(intermediate, "MLP intermediate size")
+        intermediate = self.columns[1] - self.columns[0]
         self.intermediate = intermediate
         self.gate_up_weight = _empty((2 * intermediate, hidden), dtype, device)  # rows: gate, up
         self.gate_up_bias = _empty((2 * intermediate,), dtype, device) if bias else None
@@ -257,25 +266,36 @@ class GatedMLP(PrepackedLinears, nn.Module):
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed("gate_up"))  # [T, 2I]
         if self.act == "silu" and fused_cpu(gate_up):  # one op, contiguous rows for down
             act = torch.ops.pdserve_cpu.silu_mul(gate_up, self.intermediate)
-            return linear(act, self.down_weight, self.down_bias, self.packed("down"))
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # row-strided views [T, I]
-        # In place: no fresh [T, I] tensors (large ones cost page faults on every step).
-        if self.act == "silu":
-            act = F.silu(gate, inplace=True).mul_(up)
         else:
-            act = F.gelu(gate, approximate="tanh").mul_(up)
-        return linear(act, self.down_weight, self.down_bias, self.packed("down"))
+            gate, up = gate_up.split(self.intermediate, dim=-1)  # row-strided views [T, I]
+            # In place: no fresh [T, I] tensors (large ones cost page faults on every step).
+            if self.act == "silu":
+                act = F.silu(gate, inplace=True).mul_(up)
+            else:
+                act = F.gelu(gate, approximate="tanh").mul_(up)
+        out = linear(act, self.down_weight, self.down_bias, self.packed("down"))
+        return self.tp.all_reduce(out) if self.reduce else out
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        """HF names (``prefix`` + gate_proj/up_proj/down_proj) -> the slices they fill."""
-        inter = self.intermediate
-        t = {
-            prefix + "gate_proj.weight": self.gate_up_weight[:inter],
-            prefix + "up_proj.weight": self.gate_up_weight[inter:],
-            prefix + "down_proj.weight": self.down_weight,
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
+        """HF names (``prefix`` + gate_proj/up_proj/down_proj) -> the slices they fill (this
+        rank's columns of gate and up, rows of down; the down bias on rank 0 only)."""
+        inter, tp, full = self.intermediate, self.tp, self.full_intermediate
+        a, b = self.columns
+        t: dict[str, torch.Tensor | Shard] = {
+            prefix + "gate_proj.weight": tp.shard(self.gate_up_weight[:inter], 0, a, b, full),
+            prefix + "up_proj.weight": tp.shard(self.gate_up_weight[inter:], 0, a, b, full),
+            prefix + "down_proj.weight": tp.shard(self.down_weight, 1, a, b, full),
         }
         if self.gate_up_bias is not None:
-            t[prefix + "gate_proj.bias"] = self.gate_up_bias[:inter]
-            t[prefix + "up_proj.bias"] = self.gate_up_bias[inter:]
-            t[prefix + "down_proj.bias"] = self.down_bias
+            t[prefix + "gate_proj.bias"] = tp.shard(self.gate_up_bias[:inter], 0, a, b, full)
+            t[prefix + "up_proj.bias"] = tp.shard(self.gate_up_bias[inter:], 0, a, b, full)
+            t[prefix + "down_proj.bias"] = rank0_only(self.down_bias, tp)
         return t
+
+
+def rank0_only(bias: torch.Tensor, tp: TensorParallel) -> torch.Tensor | Shard:
+    """A bias added after an all-reduce: rank 0 loads it, the others read none of it (theirs
+    stays zero, so the sum counts it once)."""
+    if tp.rank == 0:
+        return bias
+    return Shard(bias, 0, 0, 0, bias.shape[0])

@@ -39,6 +39,9 @@ class ModelRunner:
         for src, dst in copies:
             self.kv_pool.copy_block(src, dst)
 
+    def close(self) -> None:
+        """Release what the runner started (a group runner's other ranks); nothing here."""
+
     def execute(self, plan: StepPlan, sampling: SamplingBatch | None,
                 on_layer: Callable[[int], None] | None = None) -> StepResult:
         """One forward over the plan's flat batch, then the sampling rows' draws. ``sampling``
