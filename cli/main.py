@@ -53,6 +53,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="join this Ray cluster (e.g. auto); default: embedded local cluster")
     parser.add_argument("--num-context-workers", type=int, default=None)
     parser.add_argument("--num-generation-workers", type=int, default=None)
+    parser.add_argument("--context-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="tensor-parallel ranks of each context worker (default: "
+                             "--tensor-parallel-size)")
+    parser.add_argument("--generation-tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="tensor-parallel ranks of each generation worker (default: "
+                             "--tensor-parallel-size)")
     parser.add_argument("--host", default=None,
                         help="gRPC bind address (default 127.0.0.1, this machine only); also the "
                              "HTTP one unless --http-host says otherwise")
@@ -130,15 +136,23 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options (every worker)")
     for f in _engine_fields():
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            group.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), metavar="BOOL")
+        if f.type in ("bool", bool):  # a bare flag is true, as vLLM's --enable-expert-parallel
+            group.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes", "on"), metavar="BOOL",
+                               nargs="?", const=True, help=ENGINE_FLAG_HELP.get(f.name))
         elif f.type in ("int", "int | None"):
-            group.add_argument(flag, type=int)
+            group.add_argument(flag, type=int, help=ENGINE_FLAG_HELP.get(f.name))
+        elif f.type == "float":
+            group.add_argument(flag, type=float, help=ENGINE_FLAG_HELP.get(f.name))
         else:
             group.add_argument(flag, help=ENGINE_FLAG_HELP.get(f.name))
 
 
 ENGINE_FLAG_HELP = {
+    "tensor_parallel_size": "ranks each worker's model is split over (tensor parallelism: one "
+                            "process and one CPU, or GPU, per rank, all on one node); "
+                            "--context-/--generation-tensor-parallel-size override it per role",
+    "enable_expert_parallel": "MoE: split whole experts over the ranks instead of each "
+                              "expert's width",
     "small_step_threads": "torch threads for steps of fewer than --small-step-tokens tokens "
                           "(decode batches) on CPU: N, auto (measured per step size: the "
                           "default with --torch-threads auto) or off (every step on all)",
@@ -228,6 +242,10 @@ def launch_config_from_args(args: argparse.Namespace):
     if args.port is not None:
         router["port"] = args.port
     top = {k: v for k, v in data.items() if k not in ("engine", "router")}
+    for role in ("context", "generation"):  # per-role engine overrides
+        size = getattr(args, f"{role}_tensor_parallel_size", None)
+        if size is not None:
+            top[f"{role}_engine"] = {**(top.get(f"{role}_engine") or {}), "tensor_parallel_size": size}
     for key in ("model", "num_context_workers", "num_generation_workers", "placement",
                 "connect_timeout_s", "transfer_timeout_s", "kv_link", "torch_threads", "context_resources",
                 "generation_resources"):

@@ -24,6 +24,8 @@ from pdserve.workers.process.names import NAMESPACE, ROUTER_NAME, actor_name
 
 from .actors import kill_actors, pdserve_actor_names
 
+from .placement import (LaunchError, check_worker_groups, node_memory_shortfalls, place_workers,
+                        workers_per_node)
 from .router import RouterConfig
 
 log = logging.getLogger("pdserve.launch")
@@ -305,7 +307,7 @@ class Cluster:
     workers: dict[str, Any]
     port: int
     model_dir: Path
-    placement_group: Any
+    placement_groups: list[Any]  # the shared one, and one per worker group (TP > 1)
     http_port: int | None = None  # the OpenAI-compatible front door, when launched with one
     router_config: Any = None  # the RouterConfig it was launched with (restart_router reuses it)
     metrics: bool = True
@@ -345,10 +347,13 @@ class Cluster:
                 ray.kill(handle)
             except Exception:
                 pass
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.placement_group)
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
 
 
 # The worker actors' environment.
@@ -380,10 +385,6 @@ HUB_ENV_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CAC
 def worker_env() -> dict[str, str]:
     """The worker actors' environment: WORKER_ENV plus the Hub settings set here."""
     return {**WORKER_ENV, **{k: os.environ[k] for k in HUB_ENV_VARS if os.environ.get(k)}}
-
-
-class LaunchError(RuntimeError):
-    """A launch that failed; what it had created is removed by then, and the message says why."""
 
 
 def launch(cfg: LaunchConfig) -> Cluster:
@@ -422,34 +423,19 @@ def _remove_created(created: dict[str, Any], pg_box: list[Any]) -> list[str]:
             removed.append(name)
         except Exception:
             pass
-    if pg_box:
-        from ray.util.placement_group import remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
+    for pg, name in pg_box:
         try:
-            remove_placement_group(pg_box[0])
-            removed.append("placement group pdserve-workers")
+            remove_placement_group(pg)
+            removed.append(f"placement group {name}")
         except Exception:
             pass
     return removed
 
 
-def unplaceable(bundles: list[dict[str, float]], roles: list[str]) -> list[str]:
-    """Which workers' bundles no live node of the cluster can hold now, each with what it asks
-    and what the nodes offer (empty when every bundle fits some node)."""
-    import ray
-
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    offered = sorted({k for res in nodes for k in res
-                      if not k.startswith("node:") and "_group_" not in k})
-    return [f"{role} asks for {bundle}, and no node has it (the nodes offer: "
-            f"{', '.join(offered)})"
-            for role, bundle in zip(roles, bundles)
-            if not any(all(res.get(k, 0) >= v for k, v in bundle.items()) for res in nodes)]
-
-
 def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cluster:
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pdserve.cluster.metrics import WorkerMetrics
@@ -467,33 +453,17 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     roles += [("gen", i, GenerationWorker, cfg.generation_engine, cfg.generation_resources)
               for i in range(cfg.num_generation_workers)]
     base = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-    # One bundle per worker: its CPU (and GPU) plus the role's own resources, which pin it to
-    # the nodes that offer them; pack/spread decides among those nodes.
-    bundles = [{**base, **{k: float(v) for k, v in extra.items() if v}}
-               for _, _, _, _, extra in roles]
-    # A bundle no node can hold is said at once; the launch still waits (bounded) because an
-    # autoscaler may add a node that has it.
-    missing = unplaceable(bundles, [f"{p}-{i}" for p, i, *_ in roles])
-    for line in missing:
-        log.warning("%s; waiting up to %.0f s for such a node to join", line,
-                    cfg.placement_timeout_s)
-    pg = placement_group(bundles, strategy="PACK" if cfg.placement == "pack" else "SPREAD",
-                         name="pdserve-workers")
-    pg_box.append(pg)
-    try:
-        ray.get(pg.ready(), timeout=cfg.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        why = "; ".join(unplaceable(bundles, [f"{p}-{i}" for p, i, *_ in roles]))
-        raise LaunchError(f"the workers' placement group ({len(bundles)} bundles, "
-                          f"{cfg.placement}) was not placed within {cfg.placement_timeout_s:.0f} s: "
-                          f"{why or f'free resources now: {ray.available_resources()}'}") from None
+    tp_sizes = [int({**cfg.engine, **overrides}.get("tensor_parallel_size") or 1)
+                for _, _, _, overrides, _ in roles]
+    check_worker_groups(cfg, roles, tp_sizes, model_dir, use_gpu)
+    placed = place_workers(cfg, roles, tp_sizes, base, pg_box)
 
     # Workers that load together on one node must fit its memory together: refused here, before
     # any of them loads (each worker's own check sees only what the node has when it starts).
-    short = node_memory_shortfalls(cfg, roles, pg, model_dir, use_gpu)
+    short = node_memory_shortfalls(cfg, roles, tp_sizes, placed, model_dir, use_gpu)
     if short:
         raise LaunchError("; ".join(short))
-    sharing = workers_per_node(pg, len(roles)) if cfg.torch_threads == "auto" else [1] * len(roles)
+    sharing = workers_per_node(placed, tp_sizes) if cfg.torch_threads == "auto" else [1] * len(roles)
     workers: dict[str, Any] = {}
     for index, (prefix, i, cls, overrides, _) in enumerate(roles):
         worker_id = f"{prefix}-{i}"
@@ -507,13 +477,17 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
             max_task_retries=0,
             runtime_env={"env_vars": worker_env()},
             max_concurrency=256, num_cpus=base["CPU"], num_gpus=base.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placed[index][0], placement_group_bundle_index=placed[index][1],
+                # the group's ranks (actors rank 0 creates) go to this worker's own bundles
+                placement_group_capture_child_tasks=False),
         )
         kwargs = dict(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                       torch_threads=cfg.torch_threads, workers_on_node=sharing[index],
                       metrics=WorkerMetrics if cfg.metrics else None,
                       connect_timeout_s=cfg.connect_timeout_s, kv_link=cfg.kv_link,
-                      builtin_model=cfg.model is None, model_commit=model_commit)
+                      builtin_model=cfg.model is None, model_commit=model_commit,
+                      follower_env=worker_env())
         if prefix == "ctx":
             kwargs["stall_send_s"] = cfg.stall_send_s
         workers[worker_id] = cls.options(**options).remote(worker_id, worker_model, engine, **kwargs)
@@ -523,50 +497,8 @@ def _launch(cfg: LaunchConfig, created: dict[str, Any], pg_box: list[Any]) -> Cl
     log.info("pdserve up: %d context, %d generation workers, gRPC on %s:%d%s",
              cfg.num_context_workers, cfg.num_generation_workers, cfg.router.host, port,
              f", HTTP on {cfg.router.http_host}:{http_port}" if http_port is not None else "")
-    return Cluster(router, workers, port, model_dir, pg, http_port, router_cfg, cfg.metrics,
+    return Cluster(router, workers, port, model_dir, [pg for pg, _ in pg_box], http_port, router_cfg, cfg.metrics,
                    model_name=cfg.model or str(model_dir))
-
-
-def node_memory_shortfalls(cfg: LaunchConfig, roles: list, pg: Any, model_dir: Path,
-                           use_gpu: bool) -> list[str]:
-    """The nodes whose CPU workers (as placed in ``pg``) need more memory together than the
-    node has (cluster/node_memory.py), one message each; empty when all fit or nothing can be
-    checked (the workers' own checks still run)."""
-    import ray
-    from ray.util.placement_group import placement_group_table
-
-    from . import node_memory
-
-    nodes = placement_group_table(pg).get("bundles_to_node_id", {})
-    cpu_workers = []
-    for index, (prefix, i, _, overrides, _) in enumerate(roles):
-        engine = {**cfg.engine, **overrides}
-        device = engine.get("device") or ("cuda" if use_gpu else "cpu")
-        if str(device).startswith("cpu") and nodes.get(index):
-            cpu_workers.append((f"{prefix}-{i}", nodes[index], engine))
-    if not cpu_workers:
-        return []
-    try:
-        planned = node_memory.plan(model_dir, cpu_workers)
-    except Exception as exc:  # e.g. the directory exists only on the worker nodes
-        log.warning("the workers' memory could not be sized on this node (%s); each worker "
-                    "checks its own as it loads", exc)
-        return []
-    budgets = node_memory.node_budgets({w.node_id for w in planned},
-                                       ray.get_runtime_context().get_node_id())
-    names = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
-    return node_memory.shortfalls(planned, budgets, names)
-
-
-def workers_per_node(pg: Any, num_workers: int) -> list[int]:
-    """For each worker (bundle index), how many of the pdserve workers share its node."""
-    from ray.util.placement_group import placement_group_table
-
-    nodes = placement_group_table(pg).get("bundles_to_node_id", {})
-    count: dict[Any, int] = {}
-    for index in range(num_workers):
-        count[nodes.get(index)] = count.get(nodes.get(index), 0) + 1
-    return [count[nodes.get(index)] for index in range(num_workers)]
 
 
 def _start_router(router_cfg: Any, workers: dict[str, Any], model_dir: Path,

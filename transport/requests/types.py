@@ -239,6 +239,8 @@ class WorkerInfo:
     # at most max_seq_len, and more than the pool's tokens under a sliding window. None: not
     # reported (the router then assumes full attention: the pool's tokens).
     max_request_tokens: int | None = None
+    # Ranks the worker's model is split over (tensor parallelism): what status and top show.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ def build_engine_core(
     *,
     transceiver_factory: Callable[[KVPool], KVTransceiver] | None = None,
     start_followers: StartFollowers | None = None,
+    rank_threads: int | None = None,
 ) -> tuple[LoadedModel, EngineCore]:
     """Load the model (a directory or a Hub repo id), size and allocate the KV pool and build
     the engine core (with a KV transceiver for disaggregated workers). Before any weight is read,
@@ -46,13 +47,14 @@ def build_engine_core(
 
     With ``tensor_parallel_size`` N > 1 this process is rank 0 of a worker group: it starts the
     other N - 1 ranks (``start_followers``; default: local child processes), and every rank
-    loads its own shard (runner/group.py)."""
+    loads its own shard (runner/group.py). ``rank_threads``: CPU threads per rank (default:
+    this machine's cores shared by the N ranks)."""
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if config.tensor_parallel_size > 1:
         if isinstance(model, LoadedModel):
             raise ValueError("tensor_parallel_size > 1 loads each rank's shard itself: pass the model "
                              "directory or repo id, not a loaded model")
-        loaded, runner = _group_runner(resolve_model_dir(model), config, device, start_followers)
+        loaded, runner = _group_runner(resolve_model_dir(model), config, device, start_followers, rank_threads)
         return loaded, _core(loaded, runner, config, transceiver_factory)
     if isinstance(model, LoadedModel):
         loaded = model
@@ -117,8 +119,8 @@ def _core(loaded: LoadedModel, runner: ModelRunner, config: EngineConfig,
 StartFollowers = Callable[..., Any]
 
 
-def _group_runner(model_dir: Path, config: EngineConfig, device: str,
-                  start_followers: StartFollowers | None) -> tuple[LoadedModel, GroupModelRunner]:
+def _group_runner(model_dir: Path, config: EngineConfig, device: str, start_followers: StartFollowers | None,
+                  rank_threads: int | None) -> tuple[LoadedModel, GroupModelRunner]:
     """Rank 0 of a worker group: plan rank 0's memory (every rank's is alike), open the
     rendezvous store and the plan channel, start the followers, join the process group, load
     rank 0's shard and wait for every follower's plan stream. Whatever was started is stopped
@@ -129,7 +131,9 @@ def _group_runner(model_dir: Path, config: EngineConfig, device: str,
     store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
     publisher = PlanPublisher(host, size, config.group_timeout_s, new_secret())
     address = GroupAddress(host, store.port, publisher.port, publisher.secret, size, config.group_timeout_s)
-    threads = max(1, (os.cpu_count() or 1) // size) if torch.device(device).type == "cpu" else None
+    threads = None
+    if torch.device(device).type == "cpu":
+        threads = rank_threads or max(1, len(os.sched_getaffinity(0)) // size)
     followers = None
     try:
         start = start_followers or (lambda *a, **kw: LocalFollowers(*a, **kw))
@@ -160,7 +164,9 @@ def build_worker_core(worker_id: str, role: str, model: str | Path | LoadedModel
                           config: EngineConfig, *, lease_s: float = 30.0,
                           transfer_timeout_s: float = 30.0, connect_timeout_s: float = 30.0,
                           stall_send_s: Callable[[], float] | None = None,
-                          kv_link: bool = True, host: str = "127.0.0.1") -> tuple[LoadedModel, EngineCore]:
+                          kv_link: bool = True, host: str = "127.0.0.1",
+                          start_followers: StartFollowers | None = None,
+                          rank_threads: int | None = None) -> tuple[LoadedModel, EngineCore]:
     """A disaggregated worker's core: a KV sender for role "context", a receiver for
     "generation", both for "both" (the RPC test workers). ``stall_send_s`` is read before
     each send's first chunk (fault injection: the send stalls while it is above 0). ``host``
@@ -189,7 +195,8 @@ def build_worker_core(worker_id: str, role: str, model: str | Path | LoadedModel
         return KVTransceiver(worker_id, sender=sender, receiver=receiver, lease_s=lease_s,
                              transfer_timeout_s=transfer_timeout_s)
 
-    return build_engine_core(model, config, transceiver_factory=transceiver_factory)
+    return build_engine_core(model, config, transceiver_factory=transceiver_factory,
+                             start_followers=start_followers, rank_threads=rank_threads)
 
 
 class _LazyGrammar:

@@ -19,6 +19,7 @@ If the step loop itself dies the process exits, so Ray restarts it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -95,7 +96,8 @@ class RayWorker:
                  torch_threads: int | str | None = None, workers_on_node: int = 1,
                  metrics: Callable[[str, str], Any] | None = None, stall_send_s: float = 0.0,
                  connect_timeout_s: float = 30.0, kv_link: bool = True,
-                 builtin_model: bool = False, model_commit: str | None = None) -> None:
+                 builtin_model: bool = False, model_commit: str | None = None,
+                 follower_env: dict[str, str] | None = None) -> None:
         import ray
         import torch
 
@@ -133,11 +135,19 @@ class RayWorker:
                 "that runs pdserve workers (copy it there, or use a shared filesystem)")
         config = EngineConfig.from_kwargs(engine)
         faults = Faults(stall_send_s=stall_send_s)
+        self.tensor_parallel_size = config.tensor_parallel_size
+        start_followers = None
+        if config.tensor_parallel_size > 1:  # ranks 1.. as actors in this worker's placement group
+            from pdserve.workers.process.rank_worker import RayFollowers
+
+            gpus = 1 if str(config.device or "").startswith("cuda") else 0
+            start_followers = functools.partial(RayFollowers, worker_id, follower_env or {}, gpus)
         self.loaded, core = build_worker_core(
             worker_id, self.role, model_dir, config, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, connect_timeout_s=connect_timeout_s,
             kv_link=kv_link, host=self.node_ip,
-            stall_send_s=lambda: faults.stall_send_s)
+            stall_send_s=lambda: faults.stall_send_s, start_followers=start_followers,
+            rank_threads=torch.get_num_threads())
         # Injected (cluster.metrics.WorkerMetrics from launch): workers never import cluster/.
         self.host = WorkerHost(
             core, worker_id=worker_id, role=self.role, config=config,
@@ -173,7 +183,8 @@ class RayWorker:
                                    request_token=self.channel.token,
                                    node_id=self.node_id, node_ip=self.node_ip,
                                    model=self.model_name,
-                                   dtype=str(self.loaded.model.dtype).removeprefix("torch."))
+                                   dtype=str(self.loaded.model.dtype).removeprefix("torch."),
+                                   tensor_parallel_size=self.tensor_parallel_size)
 
     def generate(self, wire: WireRequest) -> Iterator[WireUpdate]:
         """The request's updates as a Ray streaming generator (for callers holding only an
@@ -213,6 +224,7 @@ class RayWorker:
     def shutdown(self) -> None:
         self.channel.close()  # first: no request may arrive at a stopped loop
         self.host.stop()
+        self.host.core.runner.close()  # a worker group's other ranks stop with it
 
     def _on_fatal(self, exc: BaseException) -> None:
         """The step loop died: exit, so Ray restarts this worker with a fresh state."""
