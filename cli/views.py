@@ -203,14 +203,15 @@ def workers_table(status: Any, rates: Rates | None) -> Table:
     _text(table, "worker", ID_WIDTH)
     _text(table, "role")
     _text(table, "ok")
+    _num(table, "TP")  # ranks the worker's model is split over (tensor parallelism)
     table.add_column("KV used/total", no_wrap=True, min_width=len("KV used/total"))
     for header in ("run", "wait", "paused", "tok/s"):
         _num(table, header)
     for w in status.workers:
         c = request_counts(w)
         tps = rates.tokens_per_s.get(w.worker_id) if rates is not None else None
-        table.add_row(w.worker_id, role_name(w), _health(w), _kv_bar(w), count(c.run), count(c.wait),
-                      count(c.paused), _rate(tps))
+        table.add_row(w.worker_id, role_name(w), _health(w), str(w.tensor_parallel_size or 1), _kv_bar(w),
+                      count(c.run), count(c.wait), count(c.paused), _rate(tps))
     return table
 
 
@@ -432,14 +433,14 @@ def status_table(status: Any) -> Table:
 
 
 def limits_table(status: Any) -> Table:
-    """Each worker's limits (pdserve status): the longest prompt, prompt + output, the batch, the
-    tokens per step and the KV pool."""
+    """Each worker's limits (pdserve status): its tensor-parallel ranks, the longest prompt,
+    prompt + output, the batch, the tokens per step and the KV pool."""
     table = _table()
     _text(table, "worker", ID_WIDTH)
-    for header in ("max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"):
+    for header in ("TP", "max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"):
         _num(table, header)
     for w in status.workers:
-        table.add_row(w.worker_id, count(w.max_input_len), count(w.max_seq_len),
+        table.add_row(w.worker_id, str(w.tensor_parallel_size or 1), count(w.max_input_len), count(w.max_seq_len),
                       count(w.max_batch_size), count(w.max_num_tokens), count(w.total_kv_blocks),
                       count(w.tokens_per_block))
     return table

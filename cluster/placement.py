@@ -13,12 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.workers.process.names import actor_name
 
-if TYPE_CHECKING:
-    from .launch import LaunchConfig
+# The launch's LaunchConfig (launch.py imports this module, so it is not imported back).
+LaunchConfig = Any
 
 log = logging.getLogger("pdserve.launch")
 
@@ -94,6 +94,14 @@ def check_worker_groups(cfg: LaunchConfig, roles: list, tp_sizes: list[int], mod
 
     from pdserve.workers.config import EngineConfig
 
+    if any(n > 1 for n in tp_sizes) and any(p == "ctx" for p, *_ in roles):
+        # Moving KV between groups means rank-to-rank sends along transport/tp_map.py's moves;
+        # until the workers run them, a split model serves without context workers only.
+        raise LaunchError("tensor parallelism (--tensor-parallel-size, --context-/--generation-"
+                          "tensor-parallel-size > 1) runs with --num-context-workers 0 for now: "
+                          "KV transfer between tensor-parallel worker groups is not available yet "
+                          f"(asked: {sum(p == 'ctx' for p, *_ in roles)} context workers, TP sizes "
+                          f"{', '.join(f'{p}-{i} {n}' for (p, i, *_), n in zip(roles, tp_sizes))})")
     unit = "GPU" if use_gpu else "CPU"
     biggest = max((n.get("Resources", {}).get(unit, 0) for n in ray.nodes() if n.get("Alive")), default=0)
     for (prefix, i, _, overrides, _), n in zip(roles, tp_sizes):

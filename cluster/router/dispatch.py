@@ -54,6 +54,7 @@ from .errors import (
     RouterErrorKind,
     StopStringReached,
     TransferFailed,
+    WorkerDown,
     WorkerFailure,
 )
 from .queue import RequestQueue
@@ -215,6 +216,8 @@ class Dispatcher:
                         return
                     log.warning("request %s: attempt on %s/%s failed: %s", req.external_id,
                                 plan.ctx_worker, plan.gen_worker, exc)
+                    if isinstance(exc, WorkerDown):  # so the plan may wait for its restart
+                        self.registry.mark_unhealthy(exc.worker_id, str(exc))
                     last_error = f"; last failure: {exc}"
                     pair = (plan.ctx_worker if plan.action == P.RetryAction.PAIR else None, plan.gen_worker)
                     failed[pair] = self._incarnations(pair)
@@ -321,7 +324,7 @@ class Dispatcher:
                         gen_task = asyncio.create_task(self._decode(req, gen_id, gen_wire, gate))
                     continue
                 last = update
-            self._check_final(last, f"context worker {ctx_id}", req)
+            self._check_final(last, f"context worker {ctx_id}", req, ctx_id)
         except BaseException:
             await self._drop(gen_task, gen_id, gen_wire)
             raise
@@ -402,10 +405,10 @@ class Dispatcher:
                     req.reused_tokens = update.info.cached_tokens
                 await self.responder.emit(req, update.new_token_ids, update.finish_reason, update.info,
                                           update)
-        self._check_final(last, f"generation worker {gen_id}", req)
+        self._check_final(last, f"generation worker {gen_id}", req, gen_id)
 
     @staticmethod
-    def _check_final(last: WireUpdate | None, who: str, req: RouterRequest) -> None:
+    def _check_final(last: WireUpdate | None, who: str, req: RouterRequest, worker_id: str) -> None:
         """An attempt's stream ended: raise for anything but a finish or the router's own abort.
         An abort the router did not ask for (the request is not cancelled) is a worker failure:
         returning quietly would leave the client waiting for its deadline."""
@@ -420,6 +423,8 @@ class Dispatcher:
                 raise RequestRejected(last.message)  # the request, not the worker
             if last.error == ErrorKind.TRANSFER:
                 raise TransferFailed(f"{who}: {last.message}")
+            if last.error == ErrorKind.UNAVAILABLE:
+                raise WorkerDown(f"{who}: {last.message}", worker_id)
             raise WorkerFailure(f"{who}: {last.message}")
 
     def _wire(self, req: RouterRequest, prompt: list[int], max_tokens: int, kind: LlmRequestType,

@@ -43,6 +43,15 @@ class WorkerFailure(RuntimeError):
     the request may be retried on other workers."""
 
 
+class WorkerDown(WorkerFailure):
+    """The worker said it takes no more requests (its step loop died: it exits and Ray
+    restarts it): it is unhealthy from now until its next incarnation connects."""
+
+    def __init__(self, message: str, worker_id: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
 class TransferFailed(WorkerFailure):
     """The generation worker is alive but the request's KV did not arrive: a fallback (local
     prefill, or another context worker), which does not use up max_retries."""

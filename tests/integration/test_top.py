@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 PDSERVE = [sys.executable, "-m", "pdserve"]
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1", "COLUMNS": "80",
        "LINES": "200", "TERM": "dumb"}
-TOP_HEADERS = ["worker", "role", "ok", "KV used/total", "run", "wait", "paused", "tok/s"]
+TOP_HEADERS = ["worker", "role", "ok", "TP", "KV used/total", "run", "wait", "paused", "tok/s"]
 STATUS_HEADERS = ["worker", "role", "ok", "KV free", "act", "queue", "paused", "pauses", "xfers", "bytes",
                   "quar"]
 

@@ -20,14 +20,14 @@ LONG_REQUEST = "chatcmpl-" + "0123456789abcdef" * 4
 T0 = 1_700_000_000.0
 
 TOP_HEADERS = [
-    ["worker", "role", "ok", "KV used/total", "run", "wait", "paused", "tok/s"],
+    ["worker", "role", "ok", "TP", "KV used/total", "run", "wait", "paused", "tok/s"],
     ["time", "request", "ctx -> gen", "blk", "bytes", "ms", "GB/s", "outcome"],
     ["time", "request", "worker", "policy", "tokens", "freed"],
     ["time", "request", "worker", "paused s", "pause #"],
 ]
 STATUS_HEADERS = [["worker", "role", "ok", "KV free", "act", "queue", "paused", "pauses", "xfers",
                    "bytes", "quar"],
-                  ["worker", "max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"]]
+                  ["worker", "TP", "max prompt", "max seq", "batch", "step tok", "KV blocks", "blk tok"]]
 
 
 def _worker(worker_id, role, *, generated=0, xfers=0, xfer_bytes=0, pauses=0, free=100, total=128,

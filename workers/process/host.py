@@ -386,7 +386,8 @@ class WorkerHost:
         self.loop_error = exc
         log.exception("%s loop died", self.worker_id)
         for rid, sink in self._sinks.items():
-            sink(WireUpdate.failed(rid, ErrorKind.WORKER, f"worker loop died: {exc!r}"))
+            # UNAVAILABLE: the worker is going down (it exits for a restart), not just this request
+            sink(WireUpdate.failed(rid, ErrorKind.UNAVAILABLE, f"worker loop died: {exc!r}"))
         self._sinks.clear()
         self._run_flush_hooks()
         while True:

@@ -154,6 +154,10 @@ class RayWorker:
             control=RayControlPlane(transfer_timeout_s),
             metrics=metrics(self.role, actor_name(worker_id)) if metrics is not None else None,
             faults=faults, on_fatal=self._on_fatal)
+        # A worker group whose other rank is gone cannot step: the loop fails at once, idle or
+        # not (its requests then fail UNAVAILABLE for the router to carry over), and the
+        # process exits for Ray to restart the group.
+        self.host.add_tick_hook(core.runner.check)
         # The router's requests come in here; the host is all the server sees (ChannelHost).
         self.channel = RequestChannelServer(self.host, host_address=self.node_ip)
         log.info("%s ready: %d KV blocks of %d tokens", worker_id, core.kv.num_blocks,

@@ -256,6 +256,9 @@ class GroupModelRunner(ModelRunner):
             self.publisher.publish([OP_COPY, [list(c) for c in copies]])
         super().copy_blocks(copies)
 
+    def check(self) -> None:
+        self.publisher.check()
+
     def close(self) -> None:
         self.publisher.close()
         if self.followers is not None:

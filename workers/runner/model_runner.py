@@ -42,6 +42,9 @@ class ModelRunner:
     def close(self) -> None:
         """Release what the runner started (a group runner's other ranks); nothing here."""
 
+    def check(self) -> None:
+        """Raise if the runner cannot run another step (a group runner whose rank is gone)."""
+
     def execute(self, plan: StepPlan, sampling: SamplingBatch | None,
                 on_layer: Callable[[int], None] | None = None) -> StepResult:
         """One forward over the plan's flat batch, then the sampling rows' draws. ``sampling``

@@ -146,7 +146,8 @@ def worker_status_proto(w: WorkerSnapshot):
     role = pb.WORKER_ROLE_CONTEXT if info.role == "context" else pb.WORKER_ROLE_GENERATION
     limits = dict(max_input_len=info.max_input_len or 0, max_seq_len=info.max_seq_len or 0,
                   max_num_tokens=info.max_num_tokens, node_id=info.node_id, node_ip=info.node_ip,
-                  model=info.model, dtype=info.dtype)
+                  model=info.model, dtype=info.dtype,
+                  tensor_parallel_size=info.tensor_parallel_size)
     if w.status is None:
         return pb.WorkerStatus(worker_id=w.worker_id, role=role, healthy=False,
                                invariant_violations=[f"no status: {w.missing}"],
