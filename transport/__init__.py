@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from .protocol import (
-    CancelTransfer, KVLayout, KVRequest, ProtocolError, TransferDescriptor, TransferDone,
-    TransferRejected, decode_message, encode_message,
+    CancelTransfer, HeadSlice, KVLayout, KVRequest, ProtocolError, TransferDescriptor,
+    TransferDone, TransferRejected, decode_message, encode_message,
 )
 from .session_sides import ReceiverSessions, SenderSessions
 from .sessions import (
@@ -22,9 +22,10 @@ from .sessions import (
 _LAZY = {"KVSender", "KVReceiver", "TransportConfig", "layout_of"}
 
 __all__ = [
-    "CancelTransfer", "KVLayout", "KVRequest", "ProtocolError", "ReceiverSessions", "RecvState",
-    "SenderSessions", "SendState", "SessionStats", "TransferDescriptor", "TransferDone",
-    "TransferLog", "TransferRecord", "TransferRejected", "TransferResult", "TransitionError",
+    "CancelTransfer", "HeadSlice", "KVLayout", "KVRequest", "ProtocolError", "ReceiverSessions",
+    "RecvState", "SenderSessions", "SendState", "SessionStats", "TransferDescriptor",
+    "TransferDone", "TransferLog", "TransferRecord", "TransferRejected", "TransferResult",
+    "TransitionError",
     "decode_message", "encode_message", *sorted(_LAZY),
 ]
 

@@ -7,7 +7,9 @@ Pair protocol, per op ``seq`` of a group (both sides run ops in seq order):
   ctx -> gen  header int64[HEADER_LEN] (tag seq/0), always, even for a refused or cancelled op
   ctx -> gen  payload chunk i (tag seq/i+1): raw bytes [planes, blocks, block bytes] of one
               rectangle of (layer, plane) planes x transfer blocks (``protocol.plan_chunks``);
-              a pool has 2 planes per layer (K, V) or 1 (MLA's latent): ``wire_planes``
+              a pool has 2 planes per layer (K, V) or 1 (MLA's latent): ``wire_planes``.
+              With a head slice (tensor parallelism) a block's bytes are only its slice's,
+              [tokens, slice heads, head_dim] (``BlockMover``)
 Chunks are pipelined: the gather (ctx) or scatter (gen) of one chunk through a ring of reused
 staging buffers overlaps the send/recv of its neighbours (torch ops and gloo I/O release the
 GIL). A single-plane chunk whose block ids are consecutive on a side is a contiguous slice of that
@@ -292,16 +294,33 @@ class BlockMover:
     """Moves one transfer's chunks between the pool and the wire. The pool is viewed as rows
     [wire_planes * num_blocks, block_numel] (row p * num_blocks + b = block b of (layer, plane)
     plane p), so a single-plane chunk over consecutive block ids is one contiguous slice: it is
-    sent from (or received into) the pool itself. Other chunks go through a staging buffer."""
+    sent from (or received into) the pool itself. Other chunks go through a staging buffer.
+
+    ``heads`` (offset, count): the local KV heads that travel (tensor parallelism). When they
+    are all of the pool's heads the rows above travel whole (the paths just described);
+    otherwise each row is [tokens, count, head_dim] cut out of the pool's [tokens, heads,
+    head_dim], a strided view, so every chunk is gathered into (or scattered from) contiguous
+    staging: only contiguous tensors go over the wire, laid out [planes, blocks, tokens, count,
+    head_dim] on both sides."""
 
     def __init__(self, pool: KVPool, block_ids: tuple[int, ...], chunk_planes: int,
-                 chunk_blocks: int, buffers: StagingRing) -> None:
+                 chunk_blocks: int, buffers: StagingRing,
+                 heads: tuple[int, int] | None = None) -> None:
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= pool.num_blocks):
             raise IndexError(f"block id out of range [0, {pool.num_blocks})")
+        offset, count = heads if heads is not None else (0, pool.num_kv_heads)
+        if offset < 0 or count < 1 or offset + count > pool.num_kv_heads:
+            raise IndexError(f"head slice [{offset}, {offset + count}) outside the pool's "
+                             f"{pool.num_kv_heads} local KV heads")
         self.nb = pool.num_blocks
         self.num_planes = wire_planes(pool)  # (layer, plane) planes, not planes per layer
         self.rows = pool.kv.view(self.num_planes * self.nb, -1)  # [planes * blocks, block_numel]
-        self.row_bytes = plane_block_bytes(pool)
+        self.sliced = count != pool.num_kv_heads
+        if self.sliced:
+            self.rows = pool.kv.view(self.num_planes * self.nb, pool.tokens_per_block,
+                                     pool.num_kv_heads, pool.head_dim)[:, :, offset:offset + count]
+        self.row_shape = tuple(self.rows.shape[1:])
+        self.row_bytes = plane_block_bytes(pool) // pool.num_kv_heads * count
         self.ids = block_ids
         self.buffers = buffers
         self.ids_t = buffers.ids(block_ids)
@@ -319,7 +338,7 @@ class BlockMover:
     def direct(self, c: Chunk) -> torch.Tensor | None:
         """The chunk's bytes inside the pool when they are contiguous there, else None."""
         n = c.block_stop - c.block_start
-        if c.plane_stop - c.plane_start != 1 or self.run[c.block_start] < n:
+        if self.sliced or c.plane_stop - c.plane_start != 1 or self.run[c.block_start] < n:
             return None
         first = c.plane_start * self.nb + self.ids[c.block_start]
         return self.rows[first:first + n].view(-1).view(torch.uint8)
@@ -334,7 +353,7 @@ class BlockMover:
         return index
 
     def _as_rows(self, buf: torch.Tensor, c: Chunk) -> torch.Tensor:
-        return buf[: self.nbytes(c)].view(self.rows.dtype).view(c.num_rows, -1)
+        return buf[: self.nbytes(c)].view(self.rows.dtype).view(c.num_rows, *self.row_shape)
 
     def gather(self, c: Chunk, buf: torch.Tensor) -> torch.Tensor:
         torch.index_select(self.rows, 0, self._index(c), out=self._as_rows(buf, c))

@@ -21,7 +21,10 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from .kv_pool import KVPool
 from .kv_groups import TransportConfig, layout_of
 from .kv_receiver_pair import ControlSink, PairState, ReceiverPair
-from .protocol import CancelTransfer, KVRequest, ProtocolError, TransferDone, decode_message
+from .protocol import (
+    WHOLE_POOLS, CancelTransfer, HeadSlice, KVRequest, ProtocolError, TransferDone, check_tp,
+    decode_message,
+)
 from .session_sides import ReceiverSessions
 from .sessions import TransferResult
 
@@ -68,6 +71,9 @@ class KVReceiver:
         # Context endpoints known to be gone (restarted or dead), most recent last; bounded.
         self._gone: dict[str, None] = {}
         self._gone_lock = threading.Lock()
+        # ctx worker id -> the (tensor parallel size, rank) it is expected to have: its pair's
+        # PairOpen states it (the context worker refuses another), as do requests without one
+        self._ctx_tp: dict[str, tuple[int, int]] = {}
 
     # ---------------------------------------------------------------- peers that went away
 
@@ -97,9 +103,24 @@ class KVReceiver:
             raise RuntimeError("no control sink: this receiver cannot reach context workers")
         self.control(ctx_worker_id, endpoint, payload, name)
 
-    def connect_peers(self, peers: dict[str, str]) -> None:
+    def ctx_tp_of(self, ctx_worker_id: str) -> tuple[int, int]:
+        return self._ctx_tp.get(ctx_worker_id, (1, 0))
+
+    def expect_ctx_tp(self, ctx_worker_id: str, tp: tuple[int, int] | None) -> tuple[int, int]:
+        """Record (when given) and return the (tensor parallel size, rank) expected of that
+        context worker. Recorded before its pair exists, it is what the pair's opens state."""
+        if tp is not None:
+            check_tp(*tp, ValueError)
+            self._ctx_tp[ctx_worker_id] = (int(tp[0]), int(tp[1]))
+        return self.ctx_tp_of(ctx_worker_id)
+
+    def connect_peers(self, peers: dict[str, str],
+                      ctx_tp: dict[str, tuple[int, int]] | None = None) -> None:
         """The context workers (id -> KV endpoint) to set pairs up with now, before any request
-        needs one. A new endpoint for a known worker (it restarted) resets that pair."""
+        needs one. A new endpoint for a known worker (it restarted) resets that pair.
+        ``ctx_tp``: id -> the (tensor parallel size, rank) each is expected to have."""
+        for ctx_worker_id, tp in (ctx_tp or {}).items():
+            self.expect_ctx_tp(ctx_worker_id, tp)
         for ctx_worker_id, endpoint in peers.items():
             if endpoint and not self.is_gone(endpoint):
                 self._pair(ctx_worker_id, endpoint)
@@ -158,15 +179,19 @@ class KVReceiver:
     def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
                 ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
                 num_cached_blocks: int = 0, timeout_s: float | None = None,
-                stream: bool = False) -> None:
+                stream: bool = False, heads: HeadSlice = WHOLE_POOLS,
+                ctx_tp: tuple[int, int] | None = None) -> None:
         """``block_ids``: this request's blocks covering the context's blocks, in order; the
         first ``num_cached_blocks`` already hold the KV (own prefix cache) and are not sent.
-        ``stream``: layer-wise, the first token comes in the op's trailer."""
+        ``stream``: layer-wise, the first token comes in the op's trailer. ``heads``: the local
+        KV heads that travel (tensor parallelism: one ``tp_map.KVMove``); ``ctx_tp``: the
+        context worker's expected (tensor parallel size, rank), None: as recorded (1, 0)."""
+        tp = self.expect_ctx_tp(ctx_worker_id, ctx_tp)
         self._pair(ctx_worker_id, ctx_endpoint)
         self.sessions.reserve(gen_request_id, ctx_worker_id=ctx_worker_id,
                               ctx_request_id=ctx_request_id, block_ids=block_ids,
                               num_cached_blocks=num_cached_blocks, timeout_s=timeout_s,
-                              stream=stream)
+                              stream=stream, heads=heads, ctx_tp=tp)
 
     def request(self, gen_request_id: int) -> KVRequest:
         """RESERVED -> REQUESTED: queue the receive on the pair thread and return the KV request
@@ -181,7 +206,8 @@ class KVReceiver:
     def start(self, gen_request_id: int, *, ctx_worker_id: str, ctx_endpoint: str,
               ctx_request_id: int, block_ids: list[int] | tuple[int, ...],
               num_cached_blocks: int = 0, timeout_s: float | None = None,
-              stream: bool = False) -> KVRequest | None:
+              stream: bool = False, heads: HeadSlice = WHOLE_POOLS,
+              ctx_tp: tuple[int, int] | None = None) -> KVRequest | None:
         """``reserve`` then ``request``. None when ``ctx_endpoint`` is known to be gone: the
         session is then already failed (``poll`` hands it back) and nothing is to be sent."""
         if not self.is_gone(ctx_endpoint):
@@ -195,7 +221,8 @@ class KVReceiver:
             return None
         self.reserve(gen_request_id, ctx_worker_id=ctx_worker_id, ctx_endpoint=ctx_endpoint,
                      ctx_request_id=ctx_request_id, block_ids=block_ids,
-                     num_cached_blocks=num_cached_blocks, timeout_s=timeout_s, stream=stream)
+                     num_cached_blocks=num_cached_blocks, timeout_s=timeout_s, stream=stream,
+                     heads=heads, ctx_tp=ctx_tp)
         return self.request(gen_request_id)
 
     def take_first_token(self, gen_request_id: int) -> int | None:

@@ -65,6 +65,8 @@ class PairOwner(Protocol):
 
     def send_control(self, ctx_worker_id: str, endpoint: str, payload: bytes, name: str) -> None: ...
 
+    def ctx_tp_of(self, ctx_worker_id: str) -> tuple[int, int]: ...
+
 
 @dataclass(slots=True)
 class _RecvOp:
@@ -325,7 +327,8 @@ class ReceiverPair:
         with self.cond:
             self.refused = {}
         deadline = Deadline(self.owner.config.connect_timeout_s)
-        open_msg = PairOpen(name, self.owner.worker_id, self.owner.config.connect_timeout_s)
+        open_msg = PairOpen(name, self.owner.worker_id, self.owner.config.connect_timeout_s,
+                            *self.owner.ctx_tp_of(self.ctx_worker_id))
         try:
             self.owner.send_control(self.ctx_worker_id, endpoint, encode_message(open_msg),
                                     f"kv_pair_open {self.ctx_worker_id}->{self.owner.worker_id} "
@@ -471,7 +474,8 @@ class ReceiverPair:
             proceed = sessions.begin_op(rid)
             t0 = time.perf_counter()
             mover = BlockMover(self.owner.pool, d.gen_block_ids, header.chunk_planes,
-                               header.chunk_blocks, self.staging)
+                               header.chunk_blocks, self.staging,
+                               heads=(d.dst_head_offset, d.heads_moved))
             self._recv_payload(group, d, mover, op.deadline, land=proceed)
             if d.stream:  # layer-wise: the first token, or CANCELLED, follows the payload
                 tr = self.staging.trailer()

@@ -17,6 +17,11 @@ that layer (``LayerProgress``, advanced by the step loop), then a trailer with t
 (``hold`` gives it at the end of the step). The op waits at most one forward: the generation
 side asks only after the context worker announced the last chunk, so a stream never blocks
 the pair behind a prefill that has not started.
+
+Tensor parallelism: a KV request may name a head slice (``protocol.HeadSlice``), and only those
+heads travel (``BlockMover``); it also names the context (tensor parallel size, rank) it
+expects, and a ``KVSender`` of another (``tp_size``, ``rank``) refuses it, as it refuses such
+a ``PairOpen``.
 """
 from __future__ import annotations
 
@@ -33,14 +38,16 @@ if TYPE_CHECKING:  # transport sits below workers: the pool is only a type here
     from .kv_pool import KVPool
 from .kv_groups import (
     CTX_RANK, INCARNATION_KEY, MAX_OUTSTANDING, BlockMover, Deadline, PairGroup, StagingRing,
-    TransportConfig, as_timedelta, failure_reason, layout_of, plane_block_bytes, wire_planes,
+    TransportConfig, as_timedelta, failure_reason, layout_of, wire_planes,
 )
 from .protocol import (
     CancelTransfer, KVRequest, PairOpen, ProtocolError, TransferDescriptor, TransferDone,
-    TransferRejected, WireHeader, WireStatus, WireTrailer, choose_chunking, chunk_layer,
-    consecutive_fraction, decode_message, encode_message, group_order, layer_aligned, wire_tag,
+    TransferRejected, WireHeader, WireStatus, WireTrailer, check_tp, choose_chunking, chunk_layer,
+    consecutive_fraction, covers_pool, decode_message, encode_message, group_order,
+    layer_aligned, tp_mismatch, wire_tag,
 )
 from .kv_link import LINK_KEY, KvLinkServer
+from .layer_progress import LayerProgress
 from .session_sides import SenderSessions
 from .sessions import TransferResult
 
@@ -49,71 +56,6 @@ RUNS_THRESHOLD = 0.9  # a side's ids this consecutive: single-plane chunks (copy
 # How long an op is remembered after it was submitted, beyond its own timeout: the second copy
 # of a KV request (direct link and Ray both carry it) folds into the first within this window.
 DEDUP_MARGIN_S = 60.0
-
-
-class LayerProgress:
-    """How far the forward has written a context request's KV, and its first token once
-    sampled. The step loop advances it (``advance``, ``finish``, ``cancel``); the pair thread
-    waits on it within the op's deadline. ``events[i]``: what to synchronize on before reading
-    layer i (a CUDA event recorded after the layer on the compute stream; None on CPU, where the
-    layer's writes are done when ``advance`` is called)."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self.cond = threading.Condition()
-        self.layers = 0
-        self.events: list[object | None] = []
-        self.first_token: int | None = None
-        self.cancelled = ""
-
-    def advance(self, layers: int, event: object | None = None) -> None:
-        with self.cond:
-            while len(self.events) < min(layers, self.num_layers):
-                self.events.append(event)
-            self.layers = max(self.layers, layers)
-            self.cond.notify_all()
-
-    def finish(self, first_token: int) -> None:
-        """The prefill is over: every layer is written and the first token sampled."""
-        with self.cond:
-            if self.cancelled:
-                return
-            self.events.extend([None] * (self.num_layers - len(self.events)))
-            self.layers = self.num_layers
-            self.first_token = first_token
-            self.cond.notify_all()
-
-    def cancel(self, reason: str) -> None:
-        with self.cond:
-            if self.first_token is None and not self.cancelled:
-                self.cancelled = reason or "cancelled"
-                self.cond.notify_all()
-
-    def wait_layer(self, layer: int, deadline: Deadline) -> bool:
-        """Block until ``layer`` is written: True, or False once cancelled (the rest of the
-        payload then goes without waiting, as filler the generation side will discard)."""
-        with self.cond:
-            while self.layers <= layer and not self.cancelled:
-                left = deadline.at - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"layer {layer} was not written before the deadline")
-                self.cond.wait(left)
-            if self.cancelled:
-                return False
-            event = self.events[layer]
-        if event is not None:
-            event.synchronize()  # type: ignore[attr-defined]
-        return True
-
-    def wait_token(self, deadline: Deadline) -> tuple[int | None, str]:
-        """(first token, "") once sampled, or (None, why) once cancelled."""
-        with self.cond:
-            while self.first_token is None and not self.cancelled:
-                left = deadline.at - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the first token was not sampled before the deadline")
-                self.cond.wait(left)
-            return self.first_token, self.cancelled
 
 
 @dataclass(slots=True)
@@ -297,10 +239,16 @@ class _SenderPair:
             if proceed:
                 assert d is not None
                 status, reason = WireStatus.OK, ""
-                runs = max(consecutive_fraction(d.ctx_block_ids),
-                           consecutive_fraction(d.gen_block_ids)) >= RUNS_THRESHOLD
+                # a side's consecutive ids allow copy-free chunks only where whole rows travel
+                sides = ((d.ctx_block_ids, covers_pool(d.src_head_offset, d.num_heads,
+                                                       pool.num_kv_heads)),
+                         (d.gen_block_ids, covers_pool(d.dst_head_offset, d.num_heads,
+                                                       req.kv_shape[2])))
+                runs = max((consecutive_fraction(ids) for ids, whole in sides if whole),
+                           default=0.0) >= RUNS_THRESHOLD
+                # chunk sizes count the bytes that travel: the slice's, not the pool's blocks'
                 planes, blocks = choose_chunking(wire_planes(pool), d.num_blocks,
-                                                 plane_block_bytes(pool),
+                                                 d.bytes_per_block // wire_planes(pool),
                                                  self.owner.config.chunk_bytes, runs=runs)
                 if d.stream:
                     planes = layer_aligned(planes, pool.num_planes)
@@ -310,14 +258,16 @@ class _SenderPair:
                 planes = blocks = 0
             nblocks = d.num_blocks if proceed and d is not None else 0
             header = WireHeader(req.seq, int(status), req.transfer_id, req.ctx_request_id,
-                                nblocks, pool.bytes_per_block, planes, blocks)
+                                nblocks, d.bytes_per_block if proceed and d is not None
+                                else pool.bytes_per_block, planes, blocks)
             t0 = time.perf_counter()
             hdr = self.staging.header(header.to_ints())
             hdr_work = group.send(hdr, wire_tag(req.seq, 0))  # payload follows without waiting
             first_token, stream_reason = None, ""
             if proceed:
                 assert d is not None
-                mover = BlockMover(pool, d.ctx_block_ids, planes, blocks, self.staging)
+                mover = BlockMover(pool, d.ctx_block_ids, planes, blocks, self.staging,
+                                   heads=(d.src_head_offset, d.heads_moved))
                 if during_prefill:
                     self.owner.overlapped += 1  # the send began while the prefill was running
                 self._send_payload(group, d, mover, op.deadline, progress)
@@ -355,7 +305,8 @@ class _SenderPair:
             return
         if proceed and d is not None:
             sessions.op_finished(d.ctx_request_id, ok=True, nbytes=nbytes, seconds=seconds)
-        op.future.set_result(op.done(proceed, reason, nbytes, seconds))
+        if not op.future.done():  # a refused op may have been answered at submit
+            op.future.set_result(op.done(proceed, reason, nbytes, seconds))
 
     def _send_payload(self, group: PairGroup, d: TransferDescriptor, mover: BlockMover,
                       deadline: Deadline, progress: LayerProgress | None = None) -> None:
@@ -406,14 +357,18 @@ class KVSender:
 
     def __init__(self, worker_id: str, pool: KVPool, *, config: TransportConfig | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 send_hook: SendHook | None = None) -> None:
+                 send_hook: SendHook | None = None, tp_size: int = 1, rank: int = 0) -> None:
+        check_tp(tp_size, rank, ValueError)
         self.worker_id = worker_id
         self.pool = pool
         self.config = config or TransportConfig()
         self.layout = layout_of(pool)
         self.send_hook = send_hook  # test hook: runs before each chunk is sent (stall, fail, ...)
+        # This context worker's (tensor parallel size, rank): a generation side that expects
+        # another is refused (its pool holds other heads than it thinks)
+        self.tp = (tp_size, rank)
         self.sessions = SenderSessions(worker_id, self.layout, clock=clock,
-                                       lease_s=self.config.default_timeout_s)
+                                       lease_s=self.config.default_timeout_s, tp=self.tp)
         self._store = dist.TCPStore(self.config.host, self.config.port, None, True,
                                     as_timedelta(self.config.connect_timeout_s), wait_for_workers=False)
         self.endpoint = f"{self.config.host}:{self._store.port}"
@@ -513,6 +468,10 @@ class KVSender:
             op = _SendOp(request, self.sessions.claim(request), "", op_deadline)
         except TransferRejected as exc:
             op = _SendOp(request, None, str(exc), op_deadline)
+            if tp_mismatch((request.ctx_tp_size, request.ctx_rank), self.tp):
+                # Answered now: its pair's open was refused too, so the op may never run (its
+                # header still goes if it does, keeping a lazily set-up pair in step)
+                op.future.set_result(op.done(False, str(exc)))
         self._pair(request.gen_worker_id).enqueue(op)
         return op.future
 
@@ -539,6 +498,10 @@ class KVSender:
             group_order(msg.group)
         except ProtocolError as exc:
             self._abandon(op, str(exc))
+            return op.future
+        differs = tp_mismatch((msg.ctx_tp_size, msg.ctx_rank), self.tp)
+        if differs:  # refused before the rendezvous: the generation side abandons it at once
+            self._abandon(op, differs)
             return op.future
         self._pair(msg.gen_worker_id).enqueue(op)
         return op.future

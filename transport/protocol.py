@@ -28,7 +28,9 @@ class TransferRejected(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What must match on both sides for blocks to be copied byte for byte."""
+    """A pool's layout, as the two sides of a transfer compare it: equal when whole blocks
+    travel (``mismatch``); equal but for the local head count when a head slice does
+    (``transfer_mismatch``)."""
 
     dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", "float16"
     bytes_per_block: int  # one block id across all layers and planes
@@ -56,6 +58,80 @@ def plane_names(num_planes: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """Tensor parallelism: the local KV heads of a transfer. Heads ``src_offset : src_offset +
+    num_heads`` of the context pool travel into ``dst_offset : ...`` of the generation pool
+    (a ``tp_map.KVMove``'s offsets and head count). ``num_heads`` 0: every head of both pools,
+    which must then hold the same heads (the only transfer before tensor parallelism)."""
+
+    src_offset: int = 0
+    dst_offset: int = 0
+    num_heads: int = 0
+
+    def __post_init__(self) -> None:
+        check_head_slice(self.src_offset, self.dst_offset, self.num_heads, ValueError)
+
+
+def check_head_slice(src_offset: int, dst_offset: int, num_heads: int,
+                     error: type[Exception]) -> None:
+    if min(src_offset, dst_offset, num_heads) < 0:
+        raise error(f"negative head slice ({src_offset}, {dst_offset}, {num_heads})")
+    if num_heads == 0 and (src_offset or dst_offset):
+        raise error("a head offset needs num_heads (0 means every head of both pools)")
+
+
+WHOLE_POOLS = HeadSlice()  # the default: every head of two pools that hold the same heads
+
+
+def check_tp(tp_size: int, rank: int, error: type[Exception]) -> None:
+    if tp_size < 1 or not 0 <= rank < tp_size:
+        raise error(f"rank {rank} is outside tensor parallel size {tp_size}")
+
+
+def covers_pool(offset: int, num_heads: int, pool_heads: int) -> bool:
+    """Whether a side's slice is all of its pool's heads: its blocks then travel whole (the
+    contiguous rows, and the copy-free path for consecutive ids)."""
+    return num_heads == 0 or (offset == 0 and num_heads == pool_heads)
+
+
+def transfer_mismatch(ctx: KVLayout, gen: KVLayout, heads: HeadSlice) -> str:
+    """What stops the context pool ``ctx`` from sending ``heads`` into the generation pool
+    ``gen``: "" when nothing. Whole pools (num_heads 0): the layouts must be equal, as before
+    tensor parallelism. A slice: everything but the local head count must match (dtype,
+    layers, tokens per block, head dim, planes), and the slice must lie inside both pools."""
+    if heads.num_heads == 0:
+        return ctx.mismatch(gen)
+    diffs = []
+    if ctx.num_planes != gen.num_planes:
+        diffs.append(f"planes per layer {plane_names(ctx.num_planes)} vs "
+                     f"{plane_names(gen.num_planes)}")
+    if ctx.dtype != gen.dtype:
+        diffs.append(f"dtype {ctx.dtype} vs {gen.dtype}")
+    for name, i in (("num_layers", 0), ("tokens_per_block", 1), ("head_dim", 3)):
+        if ctx.kv_shape[i] != gen.kv_shape[i]:
+            diffs.append(f"{name} {ctx.kv_shape[i]} vs {gen.kv_shape[i]}")
+    src_heads, dst_heads = ctx.kv_shape[2], gen.kv_shape[2]
+    # the sizes must agree with the shapes: one head's bytes are what the slice counts by
+    if not diffs and ctx.bytes_per_block * dst_heads != gen.bytes_per_block * src_heads:
+        diffs.append(f"bytes_per_block {ctx.bytes_per_block} vs {gen.bytes_per_block} for "
+                     f"{src_heads} vs {dst_heads} local KV heads")
+    n, s, d = heads.num_heads, heads.src_offset, heads.dst_offset
+    if s + n > src_heads or d + n > dst_heads:
+        diffs.append(f"head slice [{s}, {s + n}) of the context pool's {src_heads} local KV heads "
+                     f"-> [{d}, {d + n}) of the generation pool's {dst_heads} does not fit")
+    return "; ".join(diffs)
+
+
+def tp_mismatch(expected: tuple[int, int], actual: tuple[int, int]) -> str:
+    """"" when the context rank is the one the generation side expects, else why not."""
+    if tuple(expected) == tuple(actual):
+        return ""
+    return (f"tensor parallel mismatch: the generation side expects context tensor parallel size "
+            f"{expected[0]} rank {expected[1]}, this context worker is size {actual[0]} rank "
+            f"{actual[1]}")
+
+
+@dataclass(frozen=True, slots=True)
 class TransferDescriptor:
     """One transfer, as the data plane executes it. Block ids are those that TRAVEL: the trailing
     ``num_blocks`` blocks of the context sequence into the generation blocks right after its
@@ -75,20 +151,40 @@ class TransferDescriptor:
     # Layer-wise: the context side sends each layer's planes as its forward writes them, then a
     # trailer with the first token (see WireTrailer); the prefill may still be running.
     stream: bool = False
+    # Tensor parallelism (HeadSlice): the local KV heads that travel, and the context rank the
+    # generation side expects. The defaults are a transfer between whole, equal pools.
+    src_head_offset: int = 0
+    dst_head_offset: int = 0
+    num_heads: int = 0
+    ctx_tp_size: int = 1
+    ctx_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.ctx_block_ids and len(self.ctx_block_ids) != len(self.gen_block_ids):
             raise ValueError("ctx and gen block lists of a transfer differ in length")
         if self.num_cached_blocks < 0 or self.seq < 0:
             raise ValueError("num_cached_blocks and seq must be >= 0")
+        check_head_slice(self.src_head_offset, self.dst_head_offset, self.num_heads, ValueError)
+        check_tp(self.ctx_tp_size, self.ctx_rank, ValueError)
 
     @property
     def num_blocks(self) -> int:
         return len(self.gen_block_ids)
 
     @property
+    def heads(self) -> HeadSlice:
+        return HeadSlice(self.src_head_offset, self.dst_head_offset, self.num_heads)
+
+    @property
+    def heads_moved(self) -> int:
+        """How many local KV heads travel (``layout`` is this side's pool)."""
+        return self.num_heads or self.layout.kv_shape[2]
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.layout.bytes_per_block
+        """Bytes of one block on the wire: the slice's heads, over all layers and planes (the
+        whole block when every head travels). Both sides compute the same value."""
+        return self.layout.bytes_per_block // self.layout.kv_shape[2] * self.heads_moved
 
     @property
     def dtype(self) -> str:
@@ -96,7 +192,7 @@ class TransferDescriptor:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.layout.bytes_per_block
+        return self.num_blocks * self.bytes_per_block  # the bytes that travel (the slice's)
 
 
 def group_name(ctx_worker_id: str, gen_worker_id: str, incarnation: int, epoch: int) -> str:
@@ -139,6 +235,13 @@ class KVRequest:
     timeout_s: float
     stream: bool = False  # layer-wise: payload by layer, then a trailer (TransferDescriptor)
     num_planes: int = 2  # KVLayout.num_planes; a peer that predates the field has K and V
+    # The head slice (HeadSlice; 0, 0, 0: whole pools) and the context rank expected to serve
+    # it. A peer that predates these fields sends whole pools and expects a TP-1 context.
+    src_head_offset: int = 0
+    dst_head_offset: int = 0
+    num_heads: int = 0
+    ctx_tp_size: int = 1
+    ctx_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks != len(self.gen_block_ids):
@@ -149,6 +252,9 @@ class KVRequest:
             raise ProtocolError("kv_request num_planes must be >= 1")
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ProtocolError("kv_request timeout_s must be positive and finite")
+        check_head_slice(self.src_head_offset, self.dst_head_offset, self.num_heads,
+                         ProtocolError)
+        check_tp(self.ctx_tp_size, self.ctx_rank, ProtocolError)
 
     @classmethod
     def for_descriptor(cls, d: TransferDescriptor, timeout_s: float) -> KVRequest:
@@ -156,7 +262,12 @@ class KVRequest:
             d.transfer_id, d.seq, d.group, d.gen_worker_id, d.ctx_request_id, d.gen_request_id,
             d.num_blocks, d.num_cached_blocks, d.gen_block_ids, d.layout.dtype,
             d.layout.bytes_per_block, d.layout.kv_shape, timeout_s, d.stream, d.layout.num_planes,
+            d.src_head_offset, d.dst_head_offset, d.num_heads, d.ctx_tp_size, d.ctx_rank,
         )
+
+    @property
+    def heads(self) -> HeadSlice:
+        return HeadSlice(self.src_head_offset, self.dst_head_offset, self.num_heads)
 
     @property
     def layout(self) -> KVLayout:
@@ -195,10 +306,14 @@ class PairOpen:
     group: str
     gen_worker_id: str
     timeout_s: float
+    # the context rank the generation side expects at the other end (refused if it is not)
+    ctx_tp_size: int = 1
+    ctx_rank: int = 0
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ProtocolError("pair_open timeout_s must be positive and finite")
+        check_tp(self.ctx_tp_size, self.ctx_rank, ProtocolError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,14 +334,16 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
         "ctx_request_id": _INT, "gen_request_id": _INT, "num_blocks": _INT,
         "num_cached_blocks": _INT, "gen_block_ids": _INTS, "dtype": _STR,
         "bytes_per_block": _INT, "kv_shape": _SHAPE, "timeout_s": _FLOAT, "stream": _BOOL,
-        "num_planes": _INT,
+        "num_planes": _INT, "src_head_offset": _INT, "dst_head_offset": _INT, "num_heads": _INT,
+        "ctx_tp_size": _INT, "ctx_rank": _INT,
     }),
     "done": (TransferDone, {
         "transfer_id": _INT, "ctx_request_id": _INT, "ok": _BOOL, "reason": _STR,
         "nbytes": _INT, "seconds": _FLOAT, "endpoint_gone": _BOOL, "group": _STR, "seq": _INT,
         "retryable": _BOOL,
     }),
-    "pair_open": (PairOpen, {"group": _STR, "gen_worker_id": _STR, "timeout_s": _FLOAT}),
+    "pair_open": (PairOpen, {"group": _STR, "gen_worker_id": _STR, "timeout_s": _FLOAT,
+                             "ctx_tp_size": _INT, "ctx_rank": _INT}),
     "cancel": (CancelTransfer, {
         "transfer_id": _INT, "ctx_request_id": _INT, "gen_worker_id": _STR, "reason": _STR,
     }),
@@ -234,7 +351,9 @@ _SCHEMAS: dict[str, tuple[type, dict[str, str]]] = {
 _TYPE_OF = {cls: name for name, (cls, _) in _SCHEMAS.items()}
 # Fields a message may leave out (added after version 1 shipped): their value when absent.
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "kv_request": {"stream": False, "num_planes": 2},
+    "kv_request": {"stream": False, "num_planes": 2, "src_head_offset": 0, "dst_head_offset": 0,
+                   "num_heads": 0, "ctx_tp_size": 1, "ctx_rank": 0},
+    "pair_open": {"ctx_tp_size": 1, "ctx_rank": 0},
     "done": {"endpoint_gone": False, "group": "", "seq": -1, "retryable": False}}
 
 

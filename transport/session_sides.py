@@ -13,7 +13,10 @@ import dataclasses
 import enum
 import time
 
-from .protocol import KVLayout, KVRequest, TransferDescriptor, TransferRejected, group_order
+from .protocol import (
+    WHOLE_POOLS, HeadSlice, KVLayout, KVRequest, TransferDescriptor, TransferRejected,
+    group_order, tp_mismatch, transfer_mismatch,
+)
 from .sessions import (
     _RECV_EDGES, _SEND_EDGES, MAX_TRANSFER_RECORDS, Clock, RecvState, SendState, TransitionError,
     _Session, _Sessions,
@@ -33,9 +36,11 @@ class SenderSessions(_Sessions):
     _cancelled = SendState.CANCELLED
 
     def __init__(self, worker_id: str, layout: KVLayout, *, clock: Clock = time.monotonic,
-                 lease_s: float = 30.0, max_records: int = MAX_TRANSFER_RECORDS) -> None:
+                 lease_s: float = 30.0, max_records: int = MAX_TRANSFER_RECORDS,
+                 tp: tuple[int, int] = (1, 0)) -> None:
         super().__init__(worker_id, layout, clock=clock, default_timeout_s=lease_s,
                          max_records=max_records)
+        self.tp = tuple(tp)  # (tensor parallel size, rank) of this context worker
 
     def lease(self, ctx_request_id: int, block_ids: tuple[int, ...] | list[int], *,
               lease_s: float | None = None) -> None:
@@ -49,6 +54,10 @@ class SenderSessions(_Sessions):
         """LEASED -> SENDING for a KV request; raises TransferRejected if it cannot be served.
         A transfer re-issued on a newer pair group (its first op was queued on a group that
         broke) takes over its own claim while that op has not begun."""
+        # First: a request meant for another rank names another rank's request ids
+        differs = tp_mismatch((req.ctx_tp_size, req.ctx_rank), self.tp)
+        if differs:
+            raise TransferRejected(differs)
         with self._lock:
             s = self._sessions.get(req.ctx_request_id)
             if s is None:
@@ -66,7 +75,7 @@ class SenderSessions(_Sessions):
                 self._finish(s, SendState.EXPIRED, "lease expired")
                 raise TransferRejected(f"lease of context request {req.ctx_request_id} expired")
             mine = self.layout
-            differs = mine.mismatch(req.layout)
+            differs = transfer_mismatch(mine, req.layout, req.heads)
             if differs:
                 raise TransferRejected(f"KV layout mismatch (ours vs theirs): {differs}")
             if req.num_blocks > len(s.block_ids):
@@ -76,7 +85,8 @@ class SenderSessions(_Sessions):
             s.descriptor = TransferDescriptor(
                 req.transfer_id, req.seq, req.group, self.worker_id, req.gen_worker_id,
                 req.ctx_request_id, req.gen_request_id, src, req.gen_block_ids,
-                req.num_cached_blocks, mine, req.stream)
+                req.num_cached_blocks, mine, req.stream, req.src_head_offset,
+                req.dst_head_offset, req.num_heads, req.ctx_tp_size, req.ctx_rank)
             s.peer = req.gen_worker_id
             s.deadline = self._clock() + req.timeout_s
             self._transition(s, SendState.SENDING)
@@ -128,19 +138,26 @@ class ReceiverSessions(_Sessions):
 
     def reserve(self, gen_request_id: int, *, ctx_worker_id: str, ctx_request_id: int,
                 block_ids: tuple[int, ...] | list[int], num_cached_blocks: int = 0,
-                timeout_s: float | None = None, stream: bool = False) -> None:
+                timeout_s: float | None = None, stream: bool = False,
+                heads: HeadSlice = WHOLE_POOLS, ctx_tp: tuple[int, int] = (1, 0)) -> None:
         """``block_ids``: the generation blocks for the context's blocks, in order; the first
         ``num_cached_blocks`` already hold the right KV (own prefix cache) and are not sent.
         The deadline covers the whole transfer, from now. ``stream``: layer-wise (the context
-        request may still be prefilling; the first token comes in the op's trailer)."""
+        request may still be prefilling; the first token comes in the op's trailer).
+        ``heads``: the KV heads that travel (tensor parallelism); ``ctx_tp``: (tensor parallel
+        size, rank) the context worker must have, or it refuses."""
         if not 0 <= num_cached_blocks <= len(block_ids):
             raise ValueError(f"num_cached_blocks={num_cached_blocks} outside [0, {len(block_ids)}]")
+        pool_heads = self.layout.kv_shape[2]
+        if heads.dst_offset + heads.num_heads > pool_heads:
+            raise ValueError(f"{heads} does not fit this pool's {pool_heads} local KV heads")
         timeout_s = self.default_timeout_s if timeout_s is None else timeout_s
         s = _Session(gen_request_id, tuple(block_ids), RecvState.RESERVED,
                      self._clock() + timeout_s, peer=ctx_worker_id)
         s.descriptor = TransferDescriptor(
             -1, 0, "", ctx_worker_id, self.worker_id, ctx_request_id, gen_request_id, (),
-            s.block_ids[num_cached_blocks:], num_cached_blocks, self.layout, stream)
+            s.block_ids[num_cached_blocks:], num_cached_blocks, self.layout, stream,
+            heads.src_offset, heads.dst_offset, heads.num_heads, *ctx_tp)
         with self._lock:
             self._add(s)
 
@@ -154,10 +171,8 @@ class ReceiverSessions(_Sessions):
             self._transition(s, RecvState.REQUESTED)
             d = s.descriptor
             assert d is not None
-            s.descriptor = TransferDescriptor(
-                self._next_transfer_id, seq, group, d.ctx_worker_id, d.gen_worker_id,
-                d.ctx_request_id, d.gen_request_id, (), d.gen_block_ids, d.num_cached_blocks,
-                d.layout, d.stream)
+            s.descriptor = dataclasses.replace(d, transfer_id=self._next_transfer_id, seq=seq,
+                                               group=group)
             self._next_transfer_id += 1
             remaining = max(s.deadline - self._clock(), 1e-3)
             return KVRequest.for_descriptor(s.descriptor, remaining)

@@ -73,11 +73,13 @@ def main(conn: Any, config: dict[str, Any], stall: dict[str, Any] | None = None)
             send(("stopped",))
             return
         try:
-            if cmd == "sender":  # worker_id, pool shape, dtype name, seed[, planes] -> endpoint
-                wid, shape, dtype, seed, *planes = args  # planes: 2 (K, V) or 1 (MLA latent)
-                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype], num_planes=(planes or [2])[0])
+            if cmd == "sender":  # wid, pool shape, dtype name, seed[, planes[, tp]] -> endpoint
+                wid, shape, dtype, seed, *extra = args  # planes: 2 (K, V) or 1 (MLA latent)
+                planes, tp = (extra + [2, (1, 0)][len(extra):])[:2]  # tp: (size, rank)
+                pools[wid] = KVPool(*shape, dtype=DTYPES[dtype], num_planes=planes)
                 fill_pattern(pools[wid], seed)
-                senders[wid] = KVSender(wid, pools[wid], config=cfg, send_hook=hook)
+                senders[wid] = KVSender(wid, pools[wid], config=cfg, send_hook=hook,
+                                        tp_size=tp[0], rank=tp[1])
                 send(("ok", senders[wid].endpoint))
             elif cmd == "receiver":
                 wid, shape, dtype, seed, *planes = args
