@@ -20,6 +20,7 @@ rank whose peer died raises instead of waiting forever (docs/design.md, worker g
 """
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import torch
@@ -58,6 +59,10 @@ class TensorParallel:
         # MoE experts: split whole experts over the ranks (True, vLLM's --enable-expert-parallel)
         # or every expert's width (False, the default).
         self.expert_parallel = expert_parallel
+        # Time spent in this rank's collectives (waiting for the slowest rank included), for
+        # the benchmarks' "all-reduce share of a step".
+        self.comm_seconds = 0.0
+        self.comm_calls = 0
 
     def __repr__(self) -> str:
         return f"TensorParallel(rank={self.rank}, size={self.size}, expert_parallel={self.expert_parallel})"
@@ -108,7 +113,10 @@ class TensorParallel:
         """Sum x over the group, in place (x must be contiguous: gloo sends only those). The
         wait ends at the group's timeout: a dead peer raises here, never hangs."""
         if self.size > 1:
+            t0 = time.perf_counter()
             self._pg().allreduce([x]).wait()
+            self.comm_seconds += time.perf_counter() - t0
+            self.comm_calls += 1
         return x
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -117,7 +125,10 @@ class TensorParallel:
             return local
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)]
+        t0 = time.perf_counter()
         self._pg().allgather([parts], [local]).wait()
+        self.comm_seconds += time.perf_counter() - t0
+        self.comm_calls += 1
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
