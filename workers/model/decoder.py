@@ -353,8 +353,9 @@ class DecoderLM(nn.Module):
             if isinstance(target, Shard):
                 if target.target.shape[target.dim] != target.stop - target.start:
                     target.target.zero_()  # rows no checkpoint slice fills (padding, rank 0's bias)
-                part = read_shard(tensor, target)
-                target.target.narrow(target.dim, 0, part.shape[target.dim]).copy_(part)
+                if target.stop > target.start:  # an empty one (another rank's) reads nothing
+                    part = read_shard(tensor, target)
+                    target.target.narrow(target.dim, 0, part.shape[target.dim]).copy_(part)
             else:
                 target.copy_(tensor.load() if not isinstance(tensor, torch.Tensor) else tensor)
             missing.discard(name)

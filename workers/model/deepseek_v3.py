@@ -41,6 +41,7 @@ from .config import ModelConfig, ModelConfigError, parse_common
 from .decoder import DecoderLM
 from .layers import GatedMLP, RMSNorm, _empty, rotate_in_place
 from .moe import SparseMoE, split_fused_experts
+from .parallel import SINGLE, Shard, TensorParallel
 from .weights import materialize
 
 log = logging.getLogger(__name__)
@@ -392,17 +393,21 @@ class DeepseekV3Router(nn.Module):
 
 class DeepseekV3MoE(SparseMoE):
     """The shared sparse MoE with DeepSeek's router; the router's logits are computed in fp32
-    from an fp32 ``gate.weight`` whatever the model dtype, as transformers does."""
+    from an fp32 ``gate.weight`` whatever the model dtype, as transformers does. Under tensor
+    parallelism the router (weight and correction bias) is whole on every rank, so every rank
+    picks the same experts; the shared experts are split by width even with expert parallelism
+    (as vLLM) and their partial sum joins the routed one before the block's one all-reduce."""
 
-    def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE) -> None:
         c = config
         shared = None
         if c.n_shared_experts:
             shared = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, False,
-                              dtype=dtype, device=device)
+                              dtype=dtype, device=device, tp=tp, reduce=False)
         super().__init__(c.hidden_size, c.moe_intermediate_size, c.n_routed_experts,
                          route=DeepseekV3Router(c, device=device), act=c.hidden_act,
-                         shared_experts=shared, dtype=dtype, device=device)
+                         shared_experts=shared, dtype=dtype, device=device, tp=tp)
         self.router_weight = _empty((c.n_routed_experts, c.hidden_size), torch.float32, device)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] fp32
@@ -410,6 +415,10 @@ class DeepseekV3MoE(SparseMoE):
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+# The tensors whose rope rows _deinterleave_rope reorders (read whole); every other tensor
+# passes through lazily, so a rank reads only its shard of it.
+_ROPE_ROWS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+              "self_attn.kv_a_proj_with_mqa.bias")
 
 
 class DeepseekV3ForCausalLM(DecoderLM):
@@ -424,12 +433,14 @@ class DeepseekV3ForCausalLM(DecoderLM):
     def make_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
         if not cfg.is_moe_layer(layer):
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype=self.dtype, device=self.device)
-        return DeepseekV3MoE(cfg, dtype=self.dtype, device=self.device)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype=self.dtype, device=self.device,
+                            tp=self.tp)
+        return DeepseekV3MoE(cfg, dtype=self.dtype, device=self.device, tp=self.tp)
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
-        shapes = {n: tuple(t.shape) for n, t in self.weight_targets().items()}
+        shapes = {n: t.checkpoint_shape() if isinstance(t, Shard) else tuple(t.shape)
+                  for n, t in self.weight_targets().items()}
         skipped: set[int] = set()
         for name, tensor in split_fused_experts(tensors):
             m = _LAYER_NAME.match(name)
@@ -442,7 +453,7 @@ class DeepseekV3ForCausalLM(DecoderLM):
                     log.info("skipping checkpoint layer %d (beyond num_hidden_layers=%d: multi-token "
                              "prediction)", layer, cfg.num_hidden_layers)
                 continue
-            if cfg.rope_interleave and tuple(tensor.shape) == shapes.get(name):
+            if cfg.rope_interleave and name.endswith(_ROPE_ROWS) and tuple(tensor.shape) == shapes.get(name):
                 tensor = self._deinterleave_rope(name, materialize(tensor))  # (a misshapen one load_weights reports)
             yield name, tensor
 

@@ -39,8 +39,9 @@ from .attention import PagedAttention, Workspace
 from .batch import AttentionMetadata
 from .config import ModelConfig, ModelConfigError, layer_windows_from_types, parse_common
 from .decoder import DecoderLM, WeightLoadError
-from .layers import RMSNorm, _empty
+from .layers import RMSNorm, _empty, rank0_only
 from .moe import SparseMoE
+from .parallel import SINGLE, Shard, TensorParallel
 from .weights import materialize
 
 log = logging.getLogger(__name__)
@@ -276,24 +277,43 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 class GptOssMoE(SparseMoE):
     """``SparseMoE`` with gpt-oss's routing and activation; ``gate_up_weight`` rows interleave
-    gate and up as the checkpoint's columns do, so checkpoint tensors are transposed views."""
+    gate and up as the checkpoint's columns do, so checkpoint tensors are transposed views.
 
-    def __init__(self, config: GptOssConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    Split by width, a rank's intermediate units [a, b) are the checkpoint's gate_up columns
+    [2a, 2b) (unit j is columns 2j, 2j + 1: gate, up), one contiguous slice that is still
+    interleaved, so ``clamped_swiglu`` runs on it unchanged; down takes rows [a, b). Expert
+    parallelism slices the fused tensors' expert dimension instead."""
+
+    def __init__(self, config: GptOssConfig, *, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__(
             config.hidden_size, config.intermediate_size, config.num_experts,
             route=functools.partial(topk_then_softmax, top_k=config.num_experts_per_tok),
             act=functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit),
-            router_bias=True, expert_bias=True, router_name="router", dtype=dtype, device=device,
+            router_bias=True, expert_bias=True, router_name="router", dtype=dtype, device=device, tp=tp,
         )
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
+        tp, E, I = self.tp, self.num_experts, self.full_intermediate
+        gate_up = self.gate_up_weight.transpose(1, 2)  # [E, H, 2I] (this rank's share)
+        down = self.down_weight.transpose(1, 2)  # [E, I, H]
+        if self.expert_parallel:
+            e0, e1 = self.expert_range
+            gate_up, gate_up_bias, down, down_bias = (tp.shard(t, 0, e0, e1, E) for t in (
+                gate_up, self.gate_up_bias, down, self.down_bias))
+        else:
+            a, b = self.columns
+            gate_up = tp.shard(gate_up, 2, 2 * a, 2 * b, 2 * I)
+            gate_up_bias = tp.shard(self.gate_up_bias, 1, 2 * a, 2 * b, 2 * I)
+            down = tp.shard(down, 1, a, b, I)
+            down_bias = rank0_only(self.down_bias, tp)  # added before the all-reduce: once
         return {
-            prefix + "router.weight": self.router_weight,  # [E, H]
+            prefix + "router.weight": self.router_weight,  # [E, H], replicated
             prefix + "router.bias": self.router_bias,  # [E]
-            prefix + "experts.gate_up_proj": self.gate_up_weight.transpose(1, 2),  # [E, H, 2I]
-            prefix + "experts.gate_up_proj_bias": self.gate_up_bias,  # [E, 2I]
-            prefix + "experts.down_proj": self.down_weight.transpose(1, 2),  # [E, I, H]
-            prefix + "experts.down_proj_bias": self.down_bias,  # [E, H]
+            prefix + "experts.gate_up_proj": gate_up,
+            prefix + "experts.gate_up_proj_bias": gate_up_bias,  # [E, 2I]
+            prefix + "experts.down_proj": down,
+            prefix + "experts.down_proj_bias": down_bias,  # [E, H]
         }
 
 
@@ -351,7 +371,7 @@ class GptOssForCausalLM(DecoderLM):
         return SinkAttention(self.config, self.config.layer_windows[layer], dtype=self.dtype, device=self.device)
 
     def make_mlp(self, layer: int) -> nn.Module:
-        return GptOssMoE(self.config, dtype=self.dtype, device=self.device)
+        return GptOssMoE(self.config, dtype=self.dtype, device=self.device, tp=self.tp)
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass tensors through, except MXFP4 expert pairs (``<name>_blocks`` + ``<name>_scales``,

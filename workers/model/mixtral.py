@@ -31,7 +31,7 @@ class MixtralForCausalLM(DecoderLM):
         route = functools.partial(softmax_topk, top_k=cfg.num_experts_per_tok, renormalize=True)
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, route=route,
                          act=cfg.hidden_act, names=MIXTRAL_EXPERT_NAMES, dtype=self.dtype,
-                         device=self.device)
+                         device=self.device, tp=self.tp)
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         # transformers 5 names the block "mlp" in memory (a Mixtral layer has no other MLP).

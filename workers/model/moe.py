@@ -31,9 +31,26 @@ API (other architectures reuse the parts separately):
   Its checkpoint names sit under ``prefix + "shared_experts."``.
 - ``MoeConfig``: the ``ModelConfig`` fields Mixtral and Qwen3-MoE add (``sparse_layers`` says
   per layer whether its MLP is the MoE or a dense ``GatedMLP`` of ``intermediate_size``).
+
+Tensor parallelism (``tp``, parallel.py), the two layouts vLLM has:
+
+- expert-tensor-parallel (the default): every rank holds every expert, each expert's
+  intermediate width split as a dense MLP's (rank r: gate/up rows and down columns
+  ``tp.split(I)``); the down biases are loaded by rank 0 only (``rank0_only``).
+- expert-parallel (``tp.expert_parallel``, ``--enable-expert-parallel``): rank r holds the whole
+  experts ``tp.split(E)`` at full width and computes only the (token, expert) pairs routed to
+  them; other ranks' expert tensors are accepted by ``weight_targets`` and read nothing.
+
+Either way the router is replicated and every rank routes the same all-reduced hidden states
+with the same deterministic top-k, so each pair is computed exactly once over the group (an
+expert-parallel rank trusts its peers to compute the pairs it skips: nothing random or
+rank-dependent may enter routing). Shared experts are split by width in both layouts and leave
+their all-reduce to the block (``reduce=False``): the block ends in one all-reduce of the
+routed sum plus the shared output.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -43,7 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import _empty
+from .layers import _empty, rank0_only
+from .parallel import SINGLE, Shard, TensorParallel
 
 RoutingFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ExpertActivation = Callable[[torch.Tensor], torch.Tensor]
@@ -103,21 +121,29 @@ def grouped_experts(
     act: ExpertActivation = silu_and_mul,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
     down_bias: torch.Tensor | None = None,  # [E, H]
+    expert_start: int | None = None,
 ) -> torch.Tensor:  # [T, H] in x.dtype
-    """sum_j w[t, j] * down_e(act(gate_up_e(x[t]))) over each token's experts e = ids[t, j]."""
+    """sum_j w[t, j] * down_e(act(gate_up_e(x[t]))) over each token's experts e = ids[t, j].
+    ``expert_start`` (expert parallelism): the weights hold only the global experts
+    [expert_start, expert_start + E); pairs of any other expert are skipped (another rank's)."""
     T, k = topk_ids.shape
     out = torch.zeros_like(x)
     if T == 0:
         return out
     num_experts = gate_up_weight.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    if expert_start is not None:
+        # Local ids; every foreign pair becomes id E, which sorts after all local ones and is
+        # never run (the loop below stops at E).
+        flat_ids = flat_ids - expert_start
+        flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_experts), num_experts)
     # Stable: within an expert the pairs keep token order. Pair p is token p // k.
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # the one host sync
     tokens = order // k
     pair_weights = topk_weights.reshape(-1)[order]
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts[:num_experts]):
         if n == 0:
             continue
         rows = tokens[start:start + n]
@@ -147,29 +173,45 @@ MIXTRAL_EXPERT_NAMES = ExpertNames(gate="w1", up="w3", down="w2")
 
 
 class SparseMoE(nn.Module):
-    """Router + stacked experts; see the module docstring."""
+    """Router + stacked experts; see the module docstring. Under tensor parallelism the expert
+    parameters hold this rank's experts ``expert_range`` (global ids), each of its intermediate
+    columns ``columns``; the router is whole on every rank."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, *,
         route: RoutingFn, act: ExpertActivation | str = "silu", router_bias: bool = False,
         expert_bias: bool = False, names: ExpertNames = HF_EXPERT_NAMES, router_name: str = "gate",
         shared_experts: nn.Module | None = None, dtype: torch.dtype, device: torch.device | str,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         if isinstance(act, str):
             if act not in ACTIVATIONS:
                 raise ValueError(f"unsupported expert activation {act!r}")
             act = ACTIVATIONS[act]
+        if shared_experts is not None and getattr(shared_experts, "reduce", False) and tp.size > 1:
+            # Its partial sum must join the routed one before the block's single all-reduce.
+            raise ValueError("shared experts must leave the all-reduce to the MoE block (reduce=False)")
         self.act = act
         self.route = route  # an nn.Module router registers as a submodule (its parameters load)
         self.hidden_size = hidden_size
-        self.intermediate = intermediate_size
+        self.full_intermediate = intermediate_size
         self.num_experts = num_experts
         self.names = names
         self.router_name = router_name
-        E, I, H = num_experts, intermediate_size, hidden_size
-        self.router_weight = _empty((E, H), dtype, device)
-        self.router_bias = _empty((E,), dtype, device) if router_bias else None
+        self.tp = tp
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:  # whole experts per rank
+            self.expert_range = tp.split(num_experts, "experts (--enable-expert-parallel)")
+            self.columns = (0, intermediate_size)
+        else:  # every expert on every rank, its width split
+            self.expert_range = (0, num_experts)
+            self.columns = tp.split(intermediate_size, "MoE expert intermediate size")
+        E = self.expert_range[1] - self.expert_range[0]
+        I = self.intermediate = self.columns[1] - self.columns[0]
+        H = hidden_size
+        self.router_weight = _empty((num_experts, H), dtype, device)
+        self.router_bias = _empty((num_experts,), dtype, device) if router_bias else None
         self.gate_up_weight = _empty((E, 2 * I, H), dtype, device)
         self.gate_up_bias = _empty((E, 2 * I), dtype, device) if expert_bias else None
         self.down_weight = _empty((E, H, I), dtype, device)
@@ -180,20 +222,34 @@ class SparseMoE(nn.Module):
         return F.linear(x, self.router_weight, self.router_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        # Every rank routes the same x through the same router: identical ids everywhere.
         weights, ids = self.route(self.router_logits(x))
         out = grouped_experts(x, weights, ids, self.gate_up_weight, self.down_weight, self.act,
-                              self.gate_up_bias, self.down_bias)
+                              self.gate_up_bias, self.down_bias,
+                              self.expert_range[0] if self.expert_parallel else None)
         if self.shared_experts is not None:
             out.add_(self.shared_experts(x))
-        return out
+        return self.tp.all_reduce(out)  # the partial sums (nothing at size 1)
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+    def owns(self, e: int) -> bool:
+        """Whether global expert e's weights are on this rank."""
+        return self.expert_range[0] <= e < self.expert_range[1]
+
+    def down_bias_target(self, bias: torch.Tensor) -> torch.Tensor | Shard:
+        """A down bias is added inside its expert: by its owner under expert parallelism, by
+        rank 0 only when the experts' widths are split (the all-reduce then counts it once)."""
+        return bias if self.expert_parallel else rank0_only(bias, self.tp)
+
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
         """Hub names: ``{router_name}.weight`` (and ``.bias``), the router module's own
         tensors, and per expert ``experts.{e}.{gate,up,down}.weight`` (and ``.bias``), each a
-        view of its expert's slice."""
-        I, n = self.intermediate, self.names
+        view of its expert's slice (this rank's columns), or a Shard that reads nothing for
+        another rank's expert (expert parallelism)."""
+        I, n, tp = self.intermediate, self.names, self.tp
+        a, b = self.columns
+        full = self.full_intermediate
         r = prefix + self.router_name + "."
-        t = {r + "weight": self.router_weight}
+        t: dict[str, torch.Tensor | Shard] = {r + "weight": self.router_weight}
         if self.router_bias is not None:
             t[r + "bias"] = self.router_bias
         if isinstance(self.route, nn.Module) and hasattr(self.route, "weight_targets"):
@@ -202,13 +258,25 @@ class SparseMoE(nn.Module):
             t.update(self.shared_experts.weight_targets(prefix + "shared_experts."))
         for e in range(self.num_experts):
             p = f"{prefix}experts.{e}."
-            t[f"{p}{n.gate}.weight"] = self.gate_up_weight[e, :I]
-            t[f"{p}{n.up}.weight"] = self.gate_up_weight[e, I:]
-            t[f"{p}{n.down}.weight"] = self.down_weight[e]
+            if not self.owns(e):
+                # Zero-length Shards: the shapes are checked, no byte is read.
+                skip = functools.partial(Shard, dim=0, start=0, stop=0)
+                t[f"{p}{n.gate}.weight"] = skip(self.gate_up_weight[0, :0], full=full)
+                t[f"{p}{n.up}.weight"] = skip(self.gate_up_weight[0, :0], full=full)
+                t[f"{p}{n.down}.weight"] = skip(self.down_weight[0, :0], full=self.hidden_size)
+                if self.gate_up_bias is not None:
+                    t[f"{p}{n.gate}.bias"] = skip(self.gate_up_bias[0, :0], full=full)
+                    t[f"{p}{n.up}.bias"] = skip(self.gate_up_bias[0, :0], full=full)
+                    t[f"{p}{n.down}.bias"] = skip(self.down_bias[0, :0], full=self.hidden_size)
+                continue
+            i = e - self.expert_range[0]
+            t[f"{p}{n.gate}.weight"] = tp.shard(self.gate_up_weight[i, :I], 0, a, b, full)
+            t[f"{p}{n.up}.weight"] = tp.shard(self.gate_up_weight[i, I:], 0, a, b, full)
+            t[f"{p}{n.down}.weight"] = tp.shard(self.down_weight[i], 1, a, b, full)
             if self.gate_up_bias is not None:
-                t[f"{p}{n.gate}.bias"] = self.gate_up_bias[e, :I]
-                t[f"{p}{n.up}.bias"] = self.gate_up_bias[e, I:]
-                t[f"{p}{n.down}.bias"] = self.down_bias[e]
+                t[f"{p}{n.gate}.bias"] = tp.shard(self.gate_up_bias[i, :I], 0, a, b, full)
+                t[f"{p}{n.up}.bias"] = tp.shard(self.gate_up_bias[i, I:], 0, a, b, full)
+                t[f"{p}{n.down}.bias"] = self.down_bias_target(self.down_bias[i])
         return t
 
 

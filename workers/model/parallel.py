@@ -9,6 +9,8 @@ A worker group of ``size`` ranks runs one model; rank r holds (Megatron's split,
   ``transport/tp_map.py`` states the same rule for the KV transfer, and a test holds them equal;
 - MLP: a column slice of gate/up and the matching row slice of down (one all-reduce after down);
 - the attention output projection: the columns of the rank's heads (one all-reduce after it);
+- MoE experts (moe.py): every expert's width split as the MLP's, or with ``expert_parallel``
+  whole experts [r * E / size, (r + 1) * E / size); the router replicated; one all-reduce;
 - embedding and LM head: a vocabulary slice of ceil(V / size) rows (vocab-parallel; the last
   rank's slice may run past V, its extra rows stay zero and are cut from the gathered logits).
 

@@ -29,7 +29,7 @@ class Qwen3MoeForCausalLM(DecoderLM):
         route = functools.partial(softmax_topk, top_k=cfg.num_experts_per_tok,
                                   renormalize=cfg.norm_topk_prob, out_dtype=self.dtype)
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, route=route,
-                         act=cfg.hidden_act, dtype=self.dtype, device=self.device)
+                         act=cfg.hidden_act, dtype=self.dtype, device=self.device, tp=self.tp)
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return split_fused_experts(tensors)
