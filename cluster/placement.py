@@ -58,12 +58,13 @@ def place_workers(cfg: LaunchConfig, roles: list, tp_sizes: list[int], base: dic
         log.warning("%s; waiting up to %.0f s for such a node to join", line, cfg.placement_timeout_s)
     placed: list[Any] = [None] * len(roles)
     single = [i for i, n in enumerate(tp_sizes) if n == 1]
-    groups: list[tuple[str, Any, list[dict]]] = []
+    groups: list[tuple[str, Any, list[dict], list[str]]] = []
     if single:
         pg = placement_group([bundles[i] for i in single], name="pdserve-workers",
                              strategy="PACK" if cfg.placement == "pack" else "SPREAD")
         pg_box.append((pg, "pdserve-workers"))
-        groups.append((f"{len(single)} bundles, {cfg.placement}", pg, [bundles[i] for i in single]))
+        groups.append((f"{len(single)} bundles, {cfg.placement}", pg, [bundles[i] for i in single],
+                       [names[i] for i in single]))
         for bundle, i in enumerate(single):
             placed[i] = (pg, bundle, 1)
     for i, n in enumerate(tp_sizes):
@@ -71,14 +72,15 @@ def place_workers(cfg: LaunchConfig, roles: list, tp_sizes: list[int], base: dic
             name = actor_name(names[i])
             pg = placement_group([bundles[i]] * n, name=name, strategy="STRICT_PACK")
             pg_box.append((pg, name))
-            groups.append((f"{names[i]}: {n} ranks, STRICT_PACK on one node", pg, [bundles[i]] * n))
+            groups.append((f"{names[i]}: {n} ranks, STRICT_PACK on one node", pg, [bundles[i]] * n,
+                           [f"{names[i]} rank {r}" for r in range(n)]))
             placed[i] = (pg, 0, n)
     deadline = time.monotonic() + cfg.placement_timeout_s
-    for what, pg, wanted in groups:
+    for what, pg, wanted, who in groups:
         try:
             ray.get(pg.ready(), timeout=max(0.1, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
-            why = "; ".join(unplaceable(wanted, [what] * len(wanted)))
+            why = "; ".join(unplaceable(wanted, who))
             raise LaunchError(f"the workers' placement group ({what}) was not placed within "
                               f"{cfg.placement_timeout_s:.0f} s: "
                               f"{why or f'free resources now: {ray.available_resources()}'}") from None
