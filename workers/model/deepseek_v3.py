@@ -39,10 +39,9 @@ from .attention import Workspace
 from .batch import AttentionMetadata
 from .config import ModelConfig, ModelConfigError, parse_common
 from .decoder import DecoderLM
-from .layers import GatedMLP, RMSNorm, _empty, rotate_in_place
+from .layers import GatedMLP, RMSNorm, _empty, rank0_only, rotate_in_place
 from .moe import SparseMoE, split_fused_experts
 from .parallel import SINGLE, Shard, TensorParallel
-from .weights import materialize
 
 log = logging.getLogger(__name__)
 
@@ -207,13 +206,24 @@ class MLAttention(nn.Module):
     """One layer's multi-head latent attention (the attention interface of ``PagedAttention``).
 
     The step buffer holds, per token, the query [h, nope + rope] (RoPE applied to its rope part)
-    followed by the token's cache entry [kv_lora_rank + rope]."""
+    followed by the token's cache entry [kv_lora_rank + rope].
 
-    def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    Under tensor parallelism (as vLLM splits MLA) a rank holds the query heads
+    [r * h / size, (r + 1) * h / size): their rows of q_b_proj (q_proj) and kv_b_proj, their
+    columns of o_proj (one all-reduce in ``output``, its bias on rank 0 only). The latent path
+    (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated: every rank
+    computes the whole cache entry and its pool holds the whole latent (``cache_heads`` 1 on
+    every rank), so attention needs no other collective."""
+
+    def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype, device: torch.device | str,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         c = config
         H = c.hidden_size
-        self.num_heads = c.num_attention_heads
+        self.tp = tp
+        self.q_heads = tp.split(c.num_attention_heads, "attention heads")  # global [start, stop)
+        self.num_heads = self.q_heads[1] - self.q_heads[0]  # this rank's
+        self._num_heads_total = c.num_attention_heads
         self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.qk_dim = self.nope + self.rope
@@ -235,6 +245,7 @@ class MLAttention(nn.Module):
         # kv_b_proj: per head, nope rows of W_UK then v_dim rows of W_UV, over the latent.
         self.kv_b_weight = _empty((self.num_heads * (self.nope + self.v_dim), self.kv_lora_rank), dtype, device)
         self.o_weight = _empty((H, self.num_heads * self.v_dim), dtype, device)
+        # Added after the all-reduce's sum, so only rank 0 loads it (the others' stays zero).
         self.o_bias = _empty((H,), dtype, device) if bias else None
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,27 +259,48 @@ class MLAttention(nn.Module):
         return proj, att
 
     def output(self, att: torch.Tensor) -> torch.Tensor:  # [t, h * v] -> [t, H]
-        return F.linear(att, self.o_weight, self.o_bias)
+        return self.tp.all_reduce(F.linear(att, self.o_weight, self.o_bias))
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        t: dict[str, torch.Tensor] = {}
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
+        """HF names -> what they fill: the rank's heads' rows of q_b_proj (q_proj) and
+        kv_b_proj and columns of o_proj (Shards under tensor parallelism), the rest whole."""
+        tp, (a, b), n = self.tp, self.q_heads, self._num_heads_total
+        qk, kvb = self.qk_dim, self.nope + self.v_dim  # rows per head
+        t: dict[str, torch.Tensor | Shard] = {}
+        q = tp.shard(self.q_weight, 0, a * qk, b * qk, n * qk)
         if self.q_lora_rank is None:
-            t[prefix + "q_proj.weight"] = self.q_weight
+            t[prefix + "q_proj.weight"] = q
         else:
             t[prefix + "q_a_proj.weight"] = self.q_a_weight
             if self.q_a_bias is not None:
                 t[prefix + "q_a_proj.bias"] = self.q_a_bias
             t[prefix + "q_a_layernorm.weight"] = self.q_a_norm.weight
-            t[prefix + "q_b_proj.weight"] = self.q_weight
+            t[prefix + "q_b_proj.weight"] = q
         t[prefix + "kv_a_proj_with_mqa.weight"] = self.kv_a_weight
         if self.kv_a_bias is not None:
             t[prefix + "kv_a_proj_with_mqa.bias"] = self.kv_a_bias
         t[prefix + "kv_a_layernorm.weight"] = self.kv_a_norm.weight
-        t[prefix + "kv_b_proj.weight"] = self.kv_b_weight
-        t[prefix + "o_proj.weight"] = self.o_weight
+        t[prefix + "kv_b_proj.weight"] = tp.shard(self.kv_b_weight, 0, a * kvb, b * kvb, n * kvb)
+        t[prefix + "o_proj.weight"] = tp.shard(self.o_weight, 1, a * self.v_dim, b * self.v_dim, n * self.v_dim)
         if self.o_bias is not None:
-            t[prefix + "o_proj.bias"] = self.o_bias
+            t[prefix + "o_proj.bias"] = rank0_only(self.o_bias, tp)
         return t
+
+    @torch.no_grad()
+    def deinterleave_rope(self) -> None:
+        """Once loaded: the rope rows of each held query head and of the cache entry, stored
+        interleaved (x0, x1, x2, ...) in checkpoints, -> (x0, x2, ..., x1, x3, ...): the rotated
+        pairs become the two halves rotate_in_place works on, so RoPE and the cached k_pe come
+        out as transformers' apply_rotary_pos_emb_interleave writes them. A permutation within
+        each head, so it is the same on a rank's shard as on the whole tensor."""
+        rope = self.rope
+        order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]).to(self.q_weight.device)
+        heads = self.q_weight.view(self.num_heads, self.qk_dim, -1)
+        heads[:, self.nope :] = heads[:, self.nope :][:, order]
+        c = self.kv_lora_rank
+        self.kv_a_weight[c:] = self.kv_a_weight[c:][order]
+        if self.kv_a_bias is not None:
+            self.kv_a_bias[c:] = self.kv_a_bias[c:][order]
 
     def project(
         self,
@@ -415,10 +447,6 @@ class DeepseekV3MoE(SparseMoE):
 
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
-# The tensors whose rope rows _deinterleave_rope reorders (read whole); every other tensor
-# passes through lazily, so a rank reads only its shard of it.
-_ROPE_ROWS = ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
-              "self_attn.kv_a_proj_with_mqa.bias")
 
 
 class DeepseekV3ForCausalLM(DecoderLM):
@@ -428,7 +456,7 @@ class DeepseekV3ForCausalLM(DecoderLM):
     config: DeepseekV3Config
 
     def make_attention(self, layer: int) -> nn.Module:
-        return MLAttention(self.config, dtype=self.dtype, device=self.device)
+        return MLAttention(self.config, dtype=self.dtype, device=self.device, tp=self.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
         cfg = self.config
@@ -439,8 +467,6 @@ class DeepseekV3ForCausalLM(DecoderLM):
 
     def convert_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
-        shapes = {n: t.checkpoint_shape() if isinstance(t, Shard) else tuple(t.shape)
-                  for n, t in self.weight_targets().items()}
         skipped: set[int] = set()
         for name, tensor in split_fused_experts(tensors):
             m = _LAYER_NAME.match(name)
@@ -453,27 +479,14 @@ class DeepseekV3ForCausalLM(DecoderLM):
                     log.info("skipping checkpoint layer %d (beyond num_hidden_layers=%d: multi-token "
                              "prediction)", layer, cfg.num_hidden_layers)
                 continue
-            if cfg.rope_interleave and name.endswith(_ROPE_ROWS) and tuple(tensor.shape) == shapes.get(name):
-                tensor = self._deinterleave_rope(name, materialize(tensor))  # (a misshapen one load_weights reports)
             yield name, tensor
 
-    def _deinterleave_rope(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows of the rope dims (x0, x1, x2, ...) -> (x0, x2, ..., x1, x3, ...): the rotated
-        pairs become the two halves rotate_in_place works on, so RoPE and the cached k_pe
-        come out as transformers' apply_rotary_pos_emb_interleave writes them."""
-        cfg = self.config
-        rope = cfg.qk_rope_head_dim
-        order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
-        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            heads = tensor.reshape(cfg.num_attention_heads, cfg.qk_head_dim, -1)
-            out = heads.clone()
-            out[:, cfg.qk_nope_head_dim :] = heads[:, cfg.qk_nope_head_dim :][:, order]
-            return out.reshape(tensor.shape)
-        if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias")):
-            out = tensor.clone()
-            out[cfg.kv_lora_rank :] = tensor[cfg.kv_lora_rank :][order]
-            return out
-        return tensor
+    def after_load(self) -> None:
+        # The RoPE row order is fixed here, on each rank's loaded shard, so no checkpoint
+        # tensor has to be read whole for it (MLAttention.deinterleave_rope).
+        if self.config.rope_interleave:
+            for layer in self.layers:
+                layer.attn.deinterleave_rope()
 
 
 def tiny_config(base: Mapping[str, Any]) -> dict[str, Any]:

@@ -200,16 +200,23 @@ def sink_attention(
 class SinkAttention(PagedAttention):
     """PagedAttention with gpt-oss's per-head sinks: ``project``/``output`` as usual, ``attend``
     through ``sink_attention`` (decode groups and context chunks, windows through the same
-    masks as every other model)."""
+    masks as every other model).
+
+    Under tensor parallelism it splits as PagedAttention does (the rank's query and KV heads,
+    o_proj's columns, its bias on rank 0 only); a sink belongs to its query head, so the rank
+    holds the sinks of its own query heads."""
 
     def __init__(self, config: ModelConfig, window: int | None, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        super().__init__(config, window, dtype=dtype, device=device)
-        self.sinks = _empty((self.num_heads,), dtype, device)
+                 device: torch.device | str, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, window, dtype=dtype, device=device, tp=tp)
+        self.sinks = _empty((self.num_heads,), dtype, device)  # the rank's query heads only
+        self._num_heads_total = config.num_attention_heads
         self.softmax_scale = config.attn_scale if config.attn_scale is not None else self.head_dim ** -0.5
 
-    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {**super().weight_targets(prefix), prefix + "sinks": self.sinks}
+    def weight_targets(self, prefix: str) -> dict[str, torch.Tensor | Shard]:
+        a, b = self.q_heads
+        sinks = self.tp.shard(self.sinks, 0, a, b, self._num_heads_total)
+        return {**super().weight_targets(prefix), prefix + "sinks": sinks}
 
     def attend(
         self,
@@ -368,7 +375,8 @@ class GptOssForCausalLM(DecoderLM):
                              device=self.device)
 
     def make_attention(self, layer: int) -> nn.Module:
-        return SinkAttention(self.config, self.config.layer_windows[layer], dtype=self.dtype, device=self.device)
+        return SinkAttention(self.config, self.config.layer_windows[layer], dtype=self.dtype, device=self.device,
+                             tp=self.tp)
 
     def make_mlp(self, layer: int) -> nn.Module:
         return GptOssMoE(self.config, dtype=self.dtype, device=self.device, tp=self.tp)
