@@ -140,9 +140,17 @@ def test_auto_threads_share_each_node_among_its_workers(monkeypatch):
     import importlib
 
     pgmod = importlib.import_module("ray.util.placement_group")  # the module (ray.util's name is a function)
-    monkeypatch.setattr(pgmod, "placement_group_table",
-                        lambda pg: {"bundles_to_node_id": {0: "a", 1: "a", 2: "b", 3: "a"}})
-    assert L.workers_per_node(object(), 4) == [3, 3, 1, 3]
+
+    class Group:
+        def __init__(self, name: str, nodes: dict[int, str]) -> None:
+            self.id, self.nodes = name, nodes
+
+    monkeypatch.setattr(pgmod, "placement_group_table", lambda pg: {"bundles_to_node_id": pg.nodes})
+    shared = Group("shared", {0: "a", 1: "a", 2: "b", 3: "a"})
+    assert L.workers_per_node([(shared, i, 1) for i in range(4)], [1] * 4) == [3, 3, 1, 3]
+    # a worker group's every rank is a process sharing its node's cores
+    group = Group("tp", {0: "b", 1: "b"})
+    assert L.workers_per_node([(shared, 0, 1), (shared, 2, 1), (group, 0, 2)], [1, 1, 2]) == [1, 3, 3]
     from pdserve.workers.config import auto_threads
 
     assert [auto_threads(2, 3), auto_threads(8, 1), auto_threads(2, 1), auto_threads(16, 3)] == [1, 8, 2, 5]
