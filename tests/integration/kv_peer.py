@@ -171,6 +171,14 @@ def main(conn: Any, config: dict[str, Any], stall: dict[str, Any] | None = None)
             send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def stop_peers(peers) -> None:
+    """Stop peer processes all at once: each closes its transports in parallel."""
+    for p in peers:
+        p.request_stop()
+    for p in peers:
+        p.stop()
+
+
 class Peer:
     """Parent-side handle of one worker process. ``call`` returns the command's answer; the
     asynchronous messages ("done" answers of KV requests, "stalled" notices) are kept aside."""

@@ -126,10 +126,7 @@ class Ranks:
         assert bool((a[..., m.src_heads, :] == b[..., m.dst_heads, :]).all())
 
     def stop(self) -> None:
-        for p in (self.ctx, self.gen):
-            p.request_stop()
-        for p in (self.ctx, self.gen):
-            p.stop()
+        kv_peer.stop_peers((self.ctx, self.gen))
 
 
 @pytest.fixture(scope="module")

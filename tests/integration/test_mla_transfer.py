@@ -84,10 +84,7 @@ class Peers:
         assert a.shape == b.shape and bool((a == b).all())
 
     def stop(self) -> None:
-        for p in (self.ctx, self.gen):
-            p.request_stop()
-        for p in (self.ctx, self.gen):
-            p.stop()
+        kv_peer.stop_peers((self.ctx, self.gen))
 
 
 @pytest.fixture(scope="module")

@@ -87,10 +87,7 @@ class Cluster:
         return sent[ctx_rid], got[gen_rid]
 
     def stop(self) -> None:
-        for p in self.peers:  # all at once: each closes its transports in parallel
-            p.request_stop()
-        for p in self.peers:
-            p.stop()
+        kv_peer.stop_peers(self.peers)
 
 
 @pytest.fixture(scope="module")
