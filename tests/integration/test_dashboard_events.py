@@ -24,6 +24,7 @@ import re
 
 import pytest
 from cluster_util import wait_for
+from dashboard_util import _browser, _dashboard_url, _token, _xpath_literal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 # A Ray of its own (conftest): the dashboard's task and actor lists show all its Ray has run.
@@ -167,44 +168,6 @@ def test_actors_have_their_class_names_and_reprs(loaded):
 # ---------------------------------------------------------------------- in a real browser
 
 
-def _browser():
-    """Headless Debian Chromium driven by its chromedriver; skipped without them unless
-    PDSERVE_REQUIRE_CHROMIUM=1 (CI installs them, so there it must run)."""
-    import os
-    import shutil
-
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        chromium = None
-    if not (chromium and driver):
-        reason = "needs Debian's chromium and chromium-driver and the selenium package"
-        if os.environ.get("PDSERVE_REQUIRE_CHROMIUM") == "1":
-            pytest.fail(f"PDSERVE_REQUIRE_CHROMIUM=1 but the test {reason}")
-        pytest.skip(reason)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--window-size=1800,1100"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
-def _dashboard_url() -> str:
-    import ray
-
-    return "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
-
-
-def _token() -> str:
-    from pathlib import Path
-
-    return (Path.home() / ".ray" / "auth_token").read_text().strip()
-
-
 def test_a_person_finds_transfers_and_pauses_in_the_dashboard(loaded):
     """What the README and the demo tell a person to do, in Chromium: log in with the token,
     open the job, the Task Table (a transfer's row, its Log with GB/s), then the Actor Table ->
@@ -265,10 +228,6 @@ def test_a_person_finds_transfers_and_pauses_in_the_dashboard(loaded):
         raise
     finally:
         browser.quit()
-
-
-def _xpath_literal(s: str) -> str:
-    return f"'{s}'" if "'" not in s else f'"{s}"'
 
 
 # Last: it launches a cluster with other settings, which replaces the loaded one.

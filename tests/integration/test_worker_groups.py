@@ -67,6 +67,36 @@ def test_a_tp2_worker_serves_token_exact_over_grpc_and_http(cluster, model_dir):
     assert done.choices[0].finish_reason == "length"
     assert done.usage.completion_tokens == 8
     U.wait_drained(cl)
+    ranks_on_the_dashboard()
+
+
+def ranks_on_the_dashboard() -> None:
+    """What a person sees: the Ray state API (the dashboard's own) and, in headless Chromium,
+    the dashboard's Actors page list each rank as an actor named after its worker."""
+    from dashboard_util import _browser, _dashboard_url, _token
+    from ray.util.state import list_actors
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    alive = {a.name: a for a in list_actors(detail=True) if a.state == "ALIVE"}
+    rank = alive["pdserve-gen-0.rank1"]
+    assert (rank.class_name, rank.repr_name) == ("RankWorker", "RankWorker(gen-0.rank1)")
+    browser = _browser()
+    try:
+        wait = WebDriverWait(browser, 30)
+        browser.get(f"{_dashboard_url()}/#/actors")
+        login = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, ".MuiDialog-root input")))
+        login.send_keys(_token())
+        browser.find_element(By.XPATH, "//button[normalize-space()='Submit' or normalize-space()='SUBMIT']").click()
+        row = wait.until(EC.visibility_of_element_located(
+            (By.XPATH, "//tr[.//*[normalize-space(text())='pdserve-gen-0.rank1']]")))
+        assert "RankWorker" in row.text and "ALIVE" in row.text, row.text
+    except Exception:
+        browser.save_screenshot("/tmp/pdserve-worker-groups-dashboard.png")
+        raise
+    finally:
+        browser.quit()
 
 
 def test_killing_one_rank_under_load_loses_no_request(cluster, model_dir):
