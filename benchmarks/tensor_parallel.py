@@ -14,7 +14,8 @@ speed drifts within minutes). Two workloads:
   the forward rank 0 spent in collectives (all-reduce and the vocab gather, waits included).
 
 vLLM at TP 2 on CPU runs one process per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``: one core each,
-its default shared-memory all-reduce); it is also run at TP 1 on both cores. Raw results go to
+its default shared-memory all-reduce); it is also run at TP 1 on both cores. pdserve's TP 2 uses
+its shared-memory collectives too (``PDSERVE_TP_SHM=0``: gloo over loopback, for A/B). Raw results go to
 ``bench/results/tensor_parallel-<UTC>.json``; a configuration that fails is reported with its
 error, not dropped.
 """
@@ -207,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"tensor_parallel-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     path.write_text(json.dumps({"size": size.name, "dtype": args.dtype, "rounds": args.rounds,
+                                "tp_shm": os.environ.get("PDSERVE_TP_SHM", "1"),
                                 "configs": {n: CONFIGS[n] for n in names}, "runs": runs}, indent=1))
     print(f"raw results: {path}")
     return 0 if all("error" not in r for rs in runs.values() for r in rs) else 1

@@ -13,6 +13,10 @@ five or six ops).
 into contiguous rows, and RoPE on q and k fused with the K/V write into the pool; used by
 ``layers.GatedMLP`` and ``attention.Attention.project`` on CPU rows.
 
+``shm_group_open`` / ``shm_all_reduce`` / ``shm_all_gather`` (csrc/shm_collectives.cpp): a CPU
+worker group's collectives through a shared-memory segment instead of gloo's TCP loopback;
+``shm_group.ShmCollectives`` sets them up for ``TensorParallel``.
+
 Built with ``torch.utils.cpp_extension.load`` (g++ and ninja; the ``ninja`` wheel is a
 dependency, its binary put on PATH when none is there) for this machine's CPU
 (``-march=native``), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -39,7 +43,8 @@ log = logging.getLogger(__name__)
 ENV_DISABLE = "PDSERVE_CPU_KERNELS"
 STALE_LOCK_S = 300.0
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "norms.cpp", "activations.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "norms.cpp", "activations.cpp",
+                                              "shm_collectives.cpp")]
 HEADERS = [CSRC / "vec_math.h"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -64,7 +69,7 @@ def _load() -> bool:
     if os.environ.get(ENV_DISABLE, "").strip() in ("0", "false", "no", "off"):
         log.info("%s=0: compiled CPU kernels off", ENV_DISABLE)
         return False
-    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "rope_store"):
+    if hasattr(torch.ops, "pdserve_cpu") and hasattr(torch.ops.pdserve_cpu, "shm_all_gather"):
         return True
     try:
         if shutil.which("ninja") is None:
@@ -91,6 +96,8 @@ def _load() -> bool:
         torch.ops.pdserve_cpu.paged_decode_attention  # noqa: B018 - raises if not registered
         torch.ops.pdserve_cpu.add_rms_norm  # noqa: B018
         torch.ops.pdserve_cpu.rope_store  # noqa: B018
+        torch.ops.pdserve_cpu.shm_all_reduce  # noqa: B018
+        torch.ops.pdserve_cpu.shm_all_gather  # noqa: B018
         return True
     except Exception as e:  # noqa: BLE001 - any build or load failure: fall back
         log.warning("pdserve's CPU kernels could not be built (%s: %s); decode attention uses "

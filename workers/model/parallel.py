@@ -18,7 +18,9 @@ A bias after an all-reduce is added by rank 0 only, so the sum counts it once. R
 group (``SINGLE``) runs no collective at all: the model is exactly the unsharded one.
 
 Every collective waits at most the group's timeout (the gloo/NCCL group is built with one), so a
-rank whose peer died raises instead of waiting forever (docs/design.md, worker groups).
+rank whose peer died raises instead of waiting forever (docs/design.md, worker groups). A CPU
+group's collectives go through shared memory (``shm``, shm_group.py: same deadline, a dead peer
+noticed within 0.1 s) for the tensors that fit its slots, through gloo for the rest.
 """
 from __future__ import annotations
 
@@ -52,12 +54,14 @@ class Shard(NamedTuple):
 class TensorParallel:
     """One rank's place in its worker group and the group's collectives."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, *, expert_parallel: bool = False) -> None:
+    def __init__(self, rank: int = 0, size: int = 1, group: Any = None, *, expert_parallel: bool = False,
+                 shm: Any = None) -> None:
         if size < 1 or not 0 <= rank < size:
             raise TPShapeError(f"rank {rank} is not in a tensor-parallel group of size {size}")
         self.rank = rank
         self.size = size
         self.group = group
+        self.shm = shm  # a ShmCollectives (CPU groups), or None: gloo/NCCL only
         # MoE experts: split whole experts over the ranks (True, vLLM's --enable-expert-parallel)
         # or every expert's width (False, the default).
         self.expert_parallel = expert_parallel
@@ -116,7 +120,8 @@ class TensorParallel:
         wait ends at the group's timeout: a dead peer raises here, never hangs."""
         if self.size > 1:
             t0 = time.perf_counter()
-            self._pg().allreduce([x]).wait()
+            if self.shm is None or not self.shm.all_reduce(x):
+                self._pg().allreduce([x]).wait()
             self.comm_seconds += time.perf_counter() - t0
             self.comm_calls += 1
         return x
@@ -126,12 +131,15 @@ class TensorParallel:
         if self.size == 1:
             return local
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)]
         t0 = time.perf_counter()
-        self._pg().allgather([parts], [local]).wait()
+        full = self.shm.all_gather(local) if self.shm is not None else None
+        if full is None:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            self._pg().allgather([parts], [local]).wait()
+            full = torch.cat(parts, dim=-1)
         self.comm_seconds += time.perf_counter() - t0
         self.comm_calls += 1
-        return torch.cat(parts, dim=-1)[..., :vocab_size]
+        return full[..., :vocab_size]
 
 
 SINGLE = TensorParallel()

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.workers.model.parallel import TensorParallel
+from pdserve.workers.model.shm_group import ShmCollectives
 from pdserve.workers.runner.model_runner import ModelRunner
 from pdserve.workers.runner.plan import SamplingBatch, ScheduledSequence, StepPlan, StepResult
 
@@ -65,12 +66,14 @@ class GroupAddress:
 def open_process_group(address: GroupAddress, rank: int, device: torch.device | str,
                        store: dist.Store | None = None, *, expert_parallel: bool = False) -> TensorParallel:
     """This rank's TensorParallel over a fresh process group of the group's size (gloo on
-    CPU, NCCL on CUDA), never the global default group. Blocks until every rank has joined,
-    at most the address's timeout."""
+    CPU, NCCL on CUDA), never the global default group; on CPU also a shared-memory segment for
+    the small collectives (shm_group.py; ``PDSERVE_TP_SHM=0``: gloo alone). Blocks until every
+    rank has joined, at most the address's timeout."""
     timeout = datetime.timedelta(seconds=address.timeout_s)
     if store is None:
         store = dist.TCPStore(address.host, address.store_port, address.size, False, timeout=timeout)
     prefixed = dist.PrefixStore("pdserve/tp", store)
+    shm = None
     if torch.device(device).type == "cuda":
         nccl = getattr(dist, "ProcessGroupNCCL", None)
         if nccl is None:
@@ -80,7 +83,10 @@ def open_process_group(address: GroupAddress, rank: int, device: torch.device | 
         pg = nccl(prefixed, rank, address.size, opts)
     else:
         pg = dist.ProcessGroupGloo(prefixed, rank, address.size, timeout)
-    return TensorParallel(rank, address.size, pg, expert_parallel=expert_parallel)
+        shm = ShmCollectives.open(store, rank, address.size, address.timeout_s)
+        if rank == 0:
+            log.info("worker group collectives: %s", shm if shm is not None else "gloo")
+    return TensorParallel(rank, address.size, pg, expert_parallel=expert_parallel, shm=shm)
 
 
 # ----------------------------------------------------------------- plan frames
@@ -263,6 +269,9 @@ class GroupModelRunner(ModelRunner):
         self.publisher.close()
         if self.followers is not None:
             self.followers.close()
+        shm = getattr(getattr(self.model, "tp", None), "shm", None)
+        if shm is not None:  # every rank has stopped: no collective can run any more
+            shm.close()
 
 
 def follow(runner: ModelRunner, sock: socket.socket, timeout_s: float) -> int:
