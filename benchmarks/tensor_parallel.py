@@ -9,9 +9,10 @@ speed drifts within minutes). Two workloads:
 
 - throughput: the vs_vllm offline batch (32 prompts of 256 tokens, 64 out on the medium model):
   output tok/s;
-- decode: 8 prompts of 8 tokens, 64 out: the mean decode step (ms, pdserve's forward time per
-  step; vLLM: the run's time per output token of the batch) and, for pdserve TP 2, the share of
-  the forward rank 0 spent in collectives (all-reduce and the vocab gather, waits included).
+- decode: 8 prompts of 8 tokens, 64 out: the decode step (ms: the run's wall time per output
+  token of the batch, the same measure on both sides), pdserve's mean forward of a decode-only
+  step, and, for pdserve TP 2, the share of those forwards rank 0 spent in collectives
+  (all-reduce and the vocab gather, waits included).
 
 vLLM at TP 2 on CPU runs one process per rank (``VLLM_CPU_OMP_THREADS_BIND=0|1``: one core each,
 its default shared-memory all-reduce); it is also run at TP 1 on both cores. pdserve's TP 2 uses
@@ -80,7 +81,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             core.runner.execute = execute
             tokens = sum(len(o.token_ids) for o in outs)
             out[name] = {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
-                         "decode_step_ms": 1e3 * statistics.mean(steps) if steps else None,
+                         # wall time per output token of the batch, as measured for vLLM below
+                         "decode_step_ms": 1e3 * seconds / new if name == "decode" else None,
+                         "forward_step_ms": 1e3 * statistics.mean(steps) if steps else None,
                          "collective_share": ((tp.comm_seconds - comm0) / sum(steps) if steps and tp.size > 1
                                               else None) if name == "decode" else None,
                          "token_ids": [list(o.token_ids) for o in outs]}
@@ -171,12 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return statistics.median(vals) if vals else None
 
     print(f"\n{size.name} model ({size.describe()}), {args.dtype}, medians of {args.rounds} rounds")
-    print(f"{'config':<14}{'tok/s':>10}{'decode tok/s':>14}{'decode step ms':>16}{'collectives':>13}")
+    print(f"{'config':<14}{'tok/s':>10}{'decode tok/s':>14}{'decode step ms':>16}{'forward ms':>12}"
+          f"{'collectives':>13}")
     for n in names:
-        share = med(n, "decode", "collective_share")
+        share, fwd = med(n, "decode", "collective_share"), med(n, "decode", "forward_step_ms")
         print(f"{n:<14}{med(n, 'throughput', 'tok_s') or float('nan'):>10.1f}"
               f"{med(n, 'decode', 'tok_s') or float('nan'):>14.1f}{med(n, 'decode', 'decode_step_ms') or float('nan'):>16.2f}"
-              f"{'-' if share is None else f'{100 * share:.0f} %':>13}")
+              f"{'-' if fwd is None else f'{fwd:.2f}':>12}{'-' if share is None else f'{100 * share:.0f} %':>13}")
 
     def ratio(a: str, b: str, workload: str, key: str, higher: bool = True) -> str:
         x, y = med(a, workload, key), med(b, workload, key)
