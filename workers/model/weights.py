@@ -16,6 +16,13 @@ import torch
 from .parallel import Shard
 
 
+# safetensors' dtype names -> torch's (what a region is read as: the stored dtype, never cast).
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool,
+                       "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+
+
 class LazyTensor:
     """A region of one safetensors tensor: per dimension [start, stop), with ``dropped``
     dimensions selected away (an index, not a range)."""
@@ -30,7 +37,7 @@ class LazyTensor:
 
     @classmethod
     def of(cls, handle: Any) -> LazyTensor:
-        return cls(handle, tuple(handle.get_shape()))
+        return cls(handle, tuple(handle.get_shape()), _SAFETENSORS_DTYPES.get(handle.get_dtype()))
 
     @property
     def shape(self) -> torch.Size:
