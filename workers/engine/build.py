@@ -136,7 +136,7 @@ def _group_runner(model_dir: Path, config: EngineConfig, device: str, start_foll
         threads = rank_threads or max(1, len(os.sched_getaffinity(0)) // size)
     followers = None
     try:
-        start = start_followers or (lambda *a, **kw: LocalFollowers(*a, **kw))
+        start = start_followers or LocalFollowers
         followers = start(str(model_dir), config, address, plan.pool_blocks, plan.dtype, device,
                           threads=threads)
         if threads is not None:

@@ -357,7 +357,7 @@ class LocalFollowers:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fork would copy rank 0's threads' locks
-        config_dict = {k: v for k, v in config.to_dict().items()}
+        config_dict = config.to_dict()
         self.procs = [
             ctx.Process(target=_follower_process, daemon=True, name=f"pdserve-rank{rank}",
                         args=(str(model_dir), config_dict, address, rank, pool_blocks,
