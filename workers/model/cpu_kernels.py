@@ -106,10 +106,13 @@ def _load() -> bool:
 
 
 def extension_name() -> str:
-    """The build's name, with a digest of this CPU's feature flags: it is built with
-    -march=native, so a cache shared between machines (a network home) must not hand one CPU's
-    build to another."""
-    flags = platform.machine()
+    """The build's name, with a digest of this CPU's feature flags and of where the sources
+    are: it is built with -march=native, so a cache shared between machines (a network home)
+    must not hand one CPU's build to another; and torch's build directory keeps the sources'
+    paths in its ninja file, so two checkouts sharing one name rebuilt it in turn on every
+    first load, each under torch's lock (seen: a worker restarted while another checkout's
+    build held the lock waited minutes for it)."""
+    flags = platform.machine() + str(CSRC)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
